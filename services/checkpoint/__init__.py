@@ -1,0 +1,2 @@
+"""The checkpoint service: owns the catalog of checkpoints, rebuilt from the event log, and
+answers what a tinker:// path refers to."""

@@ -1,0 +1,29 @@
+"""`python -m services.gateway`: the HTTP gateway (wiring only)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from tinsmith import runtime
+from tinsmith.bus import Bus
+from tinsmith.eventlog import EventLog
+
+from .config import GatewayConfig
+from .handlers import Gateway
+from .http import build_app
+
+
+async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
+    config = GatewayConfig.from_env()
+    gateway = Gateway(config, EventLog(bus))
+    await gateway.start()
+    runner = web.AppRunner(build_app(gateway), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, config.host, config.port).start()
+    return runner.cleanup
+
+
+if __name__ == "__main__":
+    runtime.run("gateway", start)

@@ -1,0 +1,25 @@
+"""The gateway's settings, read once from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # retrieve_future holds a pending future this long before answering try_again (the SDK's
+    # read timeout for it is 45 s).
+    long_poll_s: float = 25.0
+    # The SDK cuts forward_backward requests into chunks below this many bytes.
+    max_chunk_bytes: int = 4_000_000
+
+    @classmethod
+    def from_env(cls) -> GatewayConfig:
+        return cls(
+            host=os.environ.get("TINSMITH_HOST", cls.host),
+            port=int(os.environ.get("TINSMITH_PORT", cls.port)),
+            long_poll_s=float(os.environ.get("TINSMITH_LONG_POLL_S", cls.long_poll_s)),
+        )

@@ -1,0 +1,444 @@
+"""The Tinker operations, as the gateway performs them: validate, append to the log, answer.
+
+Owns: what each Tinker call means in terms of events and commands, the validation that lets a
+bad request fail at once with a clear 400/404 instead of inside a future, and the futures
+(``retrieve_future`` long-polls the projection of the log). Does not own: HTTP (http.py), the
+JSON/proto shapes of requests (wire.py) or any compute.
+
+The gateway holds no state that the log cannot rebuild, so any number of replicas can run.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from tinsmith import artifacts, events, jobs, models, subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.eventlog import EventLog, FollowedProjection
+from tinsmith.failures import InvalidRequest, NotFound, TinsmithError, from_kind, future_failure
+from tinsmith.tensors import decode_tensor, model_input_tokens
+
+from . import wire
+from .config import GatewayConfig
+
+# Loss functions the trainer implements, with the loss_fn_inputs each one requires.
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {"cross_entropy": ("target_tokens",)}
+
+JsonDict = dict[str, Any]
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, eventlog: EventLog) -> None:
+        self.config = config
+        self.log = eventlog
+        self.projection = FollowedProjection(eventlog)
+        self.heartbeats: dict[str, float] = {}
+
+    @property
+    def state(self) -> jobs.Projection:
+        return self.projection.state
+
+    async def start(self) -> None:
+        await self.projection.start()
+
+    # -- bootstrap and sessions ----------------------------------------------------------------
+
+    def client_config(self) -> JsonDict:
+        return {
+            "pjwt_auth_enabled": False,
+            "parallel_fwdbwd_chunks": True,
+            "proto_compress_fwdbwd": False,
+            # Chunks must fit a NATS message with its envelope (8 MB max payload).
+            "fwdbwd_max_chunk_bytes_count": self.config.max_chunk_bytes,
+            "fwdbwd_max_chunk_len": 1024,
+            "custom_loss_server_side": False,
+            "sample_use_retrieve_futures": False,
+            "sample_join_sampling_session": False,
+        }
+
+    def server_capabilities(self) -> JsonDict:
+        return {
+            "supported_models": [
+                {
+                    "model_name": spec.name,
+                    "max_context_length": spec.max_context_length,
+                    "trainable": True,
+                    "sampleable": True,
+                }
+                for spec in models.registry().values()
+            ]
+        }
+
+    async def create_session(self, body: JsonDict) -> JsonDict:
+        session_id = str(uuid.uuid4())
+        created = bus.SessionCreated(
+            session_id=session_id,
+            tags=wire.str_list(body, "tags"),
+            user_metadata=wire.str_map(body, "user_metadata"),
+            project_id=wire.opt_str(body, "project_id") or "",
+            display_name=wire.opt_str(body, "display_name") or "",
+            sdk_version=wire.opt_str(body, "sdk_version") or "",
+        )
+        await self._append(events.make(session_created=created), aggregate="session")
+        self.heartbeats[session_id] = time.monotonic()
+        return {"type": "create_session", "session_id": session_id}
+
+    def heartbeat(self, body: JsonDict) -> JsonDict:
+        session = self._session(wire.req_str(body, "session_id"))
+        self.heartbeats[session.session_id] = time.monotonic()
+        return {"type": "session_heartbeat"}
+
+    async def finish_session(self, session_id: str, body: JsonDict) -> JsonDict:
+        session = self._session(session_id)
+        reason = body.get("reason")
+        finished = bus.SessionFinished(
+            session_id=session.session_id,
+            reason=str(reason.get("type", "")) if isinstance(reason, dict) else "",
+            detail=wire.opt_str(body, "detail") or "",
+        )
+        await self._append(events.make(session_finished=finished), aggregate="session")
+        return {}
+
+    # -- training ------------------------------------------------------------------------------
+
+    async def create_model(self, body: JsonDict) -> JsonDict:
+        session = self._session(wire.req_str(body, "session_id"))
+        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0)
+        model_id = subjects.check_id("model_id", f"{session.session_id}:train:{model_seq_id}")
+        request_id = events.request_id(model_id, 0)
+        if request_id in self.state.requests:
+            return {"request_id": request_id, "model_id": model_id}
+        spec = models.get(wire.req_str(body, "base_model"))
+        lora = wire.lora_config(body.get("lora_config"))
+        optimizer = body.get("optimizer_config") or {"type": "adamw"}
+        family = optimizer.get("type", "adamw") if isinstance(optimizer, dict) else None
+        if family != "adamw":
+            raise InvalidRequest(
+                f"optimizer_config type {family!r} is not supported; accepted: 'adamw'"
+            )
+        command = bus.CreateModel(
+            session_id=session.session_id,
+            base_model=spec.name,
+            lora=lora,
+            optimizer="adamw",
+            user_metadata=wire.str_map(body, "user_metadata"),
+        )
+        accepted = bus.RequestAccepted(
+            request_id=request_id, aggregate_id=model_id, seq_id=0, create_model=command
+        )
+        await self._accept(accepted)
+        return {"request_id": request_id, "model_id": model_id}
+
+    def get_info(self, body: JsonDict) -> JsonDict:
+        run = self._run(wire.req_str(body, "model_id"))
+        spec = models.get(run.base_model)
+        return {
+            "type": "get_info",
+            "model_id": run.model_id,
+            "model_data": {
+                "arch": spec.arch,
+                "model_name": run.base_model,
+                "tokenizer_id": run.tokenizer_id or run.base_model,
+            },
+            "is_lora": True,
+            "lora_rank": run.lora_rank,
+            "model_name": run.base_model,
+            "optimizer_config": {"type": "adamw"},
+        }
+
+    async def forward_backward(self, payload: bytes) -> JsonDict:
+        request = tp.ForwardBackwardRequest()
+        try:
+            request.ParseFromString(payload)
+        except Exception as exc:
+            raise InvalidRequest(
+                "the body is not a valid tinker ForwardBackwardRequest protobuf message"
+            ) from exc
+        run = self._run(request.model_id)
+        if request.seq_id < 1:
+            raise InvalidRequest(f"seq_id must be >= 1 for forward_backward, got {request.seq_id}")
+        future = self._existing(run.model_id, request.seq_id)
+        if future:
+            return future
+        try:
+            self._check_forward_backward(run, request)
+        except TinsmithError as error:
+            await self._reject(run.model_id, request.seq_id, error)
+            raise
+        return await self._accept(
+            bus.RequestAccepted(
+                request_id=events.request_id(run.model_id, request.seq_id),
+                aggregate_id=run.model_id,
+                seq_id=request.seq_id,
+                forward_backward=request,
+            )
+        )
+
+    def _check_forward_backward(self, run: jobs.RunState, request: tp.ForwardBackwardRequest) -> None:
+        required = LOSS_INPUTS.get(request.loss_fn)
+        if required is None:
+            raise InvalidRequest(
+                f"loss_fn {request.loss_fn!r} is not implemented; accepted: {sorted(LOSS_INPUTS)}"
+            )
+        if not request.data:
+            raise InvalidRequest("forward_backward needs at least one datum")
+        spec = models.get(run.base_model)
+        for i, datum in enumerate(request.data):
+            tokens = model_input_tokens(datum.model_input)
+            n = len(tokens)
+            if n == 0:
+                raise InvalidRequest(f"datum {i} has an empty model_input")
+            if n > spec.max_context_length:
+                raise InvalidRequest(
+                    f"datum {i} has {n} tokens; {run.base_model} accepts at most "
+                    f"{spec.max_context_length}"
+                )
+            wire.check_vocab(tokens, spec.vocab_size, f"datum {i} model_input")
+            for name in required:
+                if name not in datum.loss_fn_inputs:
+                    raise InvalidRequest(f"datum {i} lacks loss_fn_inputs[{name!r}]")
+            for name, tensor in datum.loss_fn_inputs.items():
+                array = decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
+                if array.shape[0] != n:
+                    raise InvalidRequest(
+                        f"datum {i} loss_fn_inputs[{name!r}] has {array.shape[0]} rows; it must "
+                        f"have one per model_input token ({n})"
+                    )
+                if name == "target_tokens":
+                    wire.check_vocab(array, spec.vocab_size, f"datum {i} target_tokens")
+
+    async def optim_step(self, body: JsonDict) -> JsonDict:
+        run = self._run(wire.req_str(body, "model_id"))
+        seq_id = wire.req_int(body, "seq_id", minimum=1)
+        future = self._existing(run.model_id, seq_id)
+        if future:
+            return future
+        try:
+            adam = wire.adam_params(body.get("adam_params"))
+        except TinsmithError as error:
+            await self._reject(run.model_id, seq_id, error)
+            raise
+        return await self._accept(
+            bus.RequestAccepted(
+                request_id=events.request_id(run.model_id, seq_id),
+                aggregate_id=run.model_id,
+                seq_id=seq_id,
+                optim_step=bus.OptimStep(adam=adam),
+            )
+        )
+
+    async def save_weights(self, body: JsonDict, *, for_sampler: bool) -> JsonDict:
+        run = self._run(wire.req_str(body, "model_id"))
+        seq_id = wire.req_int(body, "seq_id", minimum=1)
+        future = self._existing(run.model_id, seq_id)
+        if future:
+            return future
+        try:
+            command = self._save_command(run, body, for_sampler)
+        except TinsmithError as error:
+            await self._reject(run.model_id, seq_id, error)
+            raise
+        return await self._accept(
+            bus.RequestAccepted(
+                request_id=events.request_id(run.model_id, seq_id),
+                aggregate_id=run.model_id,
+                seq_id=seq_id,
+                save_weights=command,
+            )
+        )
+
+    def _save_command(self, run: jobs.RunState, body: JsonDict, for_sampler: bool) -> bus.SaveWeights:
+        name = wire.opt_str(body, "path")
+        command = bus.SaveWeights(
+            kind=bus.CHECKPOINT_KIND_SAMPLER if for_sampler else bus.CHECKPOINT_KIND_TRAINING,
+            user_metadata=wire.str_map(body, "user_metadata"),
+        )
+        ttl = body.get("ttl_seconds")
+        if ttl is not None:
+            command.ttl_seconds = wire.req_int(body, "ttl_seconds", minimum=1)
+        if name:
+            command.name = artifacts.check_name(name)
+            path = artifacts.TinkerPath(run.model_id, command.kind, command.name)
+            if str(path) in self.state.checkpoints and not body.get("overwrite", False):
+                raise InvalidRequest(f"checkpoint {path} already exists; pass overwrite=True")
+        elif for_sampler:
+            counter = wire.req_int(body, "sampling_session_seq_id", minimum=0)
+            command.sampler_id = subjects.check_id(
+                "sampler id", f"{run.session_id}:sample:{counter}"
+            )
+        else:
+            raise InvalidRequest("save_weights needs a checkpoint name in 'path'")
+        return command
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    async def create_sampling_session(self, body: JsonDict) -> JsonDict:
+        session = self._session(wire.req_str(body, "session_id"))
+        counter = wire.req_int(body, "sampling_session_seq_id", minimum=0)
+        sampler_id = subjects.check_id("sampler id", f"{session.session_id}:sample:{counter}")
+        if sampler_id in self.state.samplers:
+            return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+        model_path = wire.opt_str(body, "model_path")
+        base_model = wire.opt_str(body, "base_model")
+        created = bus.SamplerCreated(sampler_id=sampler_id, session_id=session.session_id)
+        if model_path:
+            checkpoint = await self._resolve(model_path)
+            if base_model and models.get(base_model).name != checkpoint.base_model:
+                raise InvalidRequest(
+                    f"{model_path} was trained on {checkpoint.base_model}, not {base_model}"
+                )
+            created.base_model = checkpoint.base_model
+            created.model_path = model_path
+            created.adapter_key = checkpoint.blob_key
+        elif base_model:
+            created.base_model = models.get(base_model).name
+        else:
+            raise InvalidRequest("create_sampling_session needs base_model or model_path")
+        await self._append(events.make(sampler_created=created), aggregate="sampler")
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    def get_sampler(self, sampler_id: str) -> JsonDict:
+        sampler = self._sampler(sampler_id)
+        return {
+            "sampler_id": sampler.sampler_id,
+            "base_model": sampler.base_model,
+            "model_path": sampler.model_path or None,
+        }
+
+    async def asample(self, body: JsonDict) -> JsonDict:
+        sampler = self._sampler(wire.req_str(body, "sampling_session_id"))
+        seq_id = wire.req_int(body, "seq_id", minimum=0)
+        request_id = events.request_id(sampler.sampler_id, seq_id)
+        command = self._sample_command(sampler, body)
+        sequence_ids = [f"{request_id}:{i}" for i in range(command.num_samples)]
+        if request_id not in self.state.requests:
+            accepted = bus.RequestAccepted(
+                request_id=request_id, aggregate_id=sampler.sampler_id, seq_id=seq_id, sample=command
+            )
+            await self._accept(accepted, aggregate="sampler")
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+    def _sample_command(self, sampler: jobs.SamplerState, body: JsonDict) -> bus.Sample:
+        spec = models.get(sampler.base_model)
+        prompt = wire.model_input(body.get("prompt"))
+        if not prompt:
+            raise InvalidRequest("prompt must contain at least one token")
+        wire.check_vocab(prompt, spec.vocab_size, "prompt")
+        params = wire.sampling_params(body.get("sampling_params"), spec.vocab_size)
+        num_samples = wire.req_int(body, "num_samples", minimum=1, default=1, maximum=1024)
+        if len(prompt) + params.max_tokens > spec.max_context_length:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {spec.name} ({spec.max_context_length})"
+            )
+        for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(unsupported):
+                raise InvalidRequest(f"{unsupported} > 0 is not supported yet; send 0")
+        if body.get("target_prompt_logprobs") is not None:
+            raise InvalidRequest("target_prompt_logprobs is not supported yet")
+        command = bus.Sample(
+            base_model=sampler.base_model,
+            adapter_key=sampler.adapter_key,
+            prompt=[int(t) for t in prompt],
+            params=params,
+            num_samples=num_samples,
+            prompt_logprobs=bool(body.get("prompt_logprobs", False)),
+        )
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None:
+            command.prompt_logprobs_last_n = wire.req_int(body, "prompt_logprobs_last_n", minimum=0)
+        return command
+
+    # -- futures -------------------------------------------------------------------------------
+
+    async def retrieve_future(self, body: JsonDict) -> tuple[bytes | JsonDict, str]:
+        """Long-poll one future: its result as ``(body, media type)``, a failure, or try_again."""
+        request_id = wire.req_str(body, "request_id")
+        if request_id not in self.state.requests:
+            # It may have been accepted by another replica a moment ago.
+            await self.projection.catch_up()
+            if request_id not in self.state.requests:
+                raise NotFound(f"no future with request_id {request_id!r}")
+
+        def settled() -> bool:
+            return self.state.requests[request_id].status is not jobs.Status.PENDING
+
+        if not settled():
+            await self.projection.wait_until(settled, self.config.long_poll_s)
+        request = self.state.requests[request_id]
+        if request.status is jobs.Status.PENDING:
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}, ""
+        if request.status is jobs.Status.FAILED:
+            return future_failure(request.error_kind, request.error_detail), ""
+        result, media_type = await self.log.get_result(request.result_seq)
+        return result, media_type
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _session(self, session_id: str) -> jobs.SessionState:
+        session = self.state.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"no session {session_id!r}; create one with create_session")
+        return session
+
+    def _run(self, model_id: str) -> jobs.RunState:
+        run = self.state.runs.get(model_id)
+        if run is None:
+            raise NotFound(f"no training run with model_id {model_id!r}")
+        return run
+
+    def _sampler(self, sampler_id: str) -> jobs.SamplerState:
+        sampler = self.state.samplers.get(sampler_id)
+        if sampler is None:
+            raise NotFound(f"no sampler {sampler_id!r}; create one with create_sampling_session")
+        return sampler
+
+    def _existing(self, aggregate_id: str, seq_id: int) -> JsonDict | None:
+        """The first future of a repeated (aggregate, seq_id): the SDK retries submissions."""
+        request_id = events.request_id(aggregate_id, seq_id)
+        if request_id in self.state.requests:
+            return {"request_id": request_id, "model_id": aggregate_id}
+        return None
+
+    async def _append(self, event: bus.Event, *, aggregate: str) -> None:
+        seq, _ = await self.log.append(event, request_aggregate=aggregate)
+        await self.projection.wait_for(seq)
+
+    async def _accept(self, accepted: bus.RequestAccepted, aggregate: str = "run") -> JsonDict:
+        """Answer with a future only once the request is durable in the log."""
+        seq, duplicate = await self.log.append(
+            events.make(request_accepted=accepted),
+            msg_id=accepted.request_id,
+            request_aggregate=aggregate,
+        )
+        if not duplicate:
+            await self.projection.wait_for(seq)
+        else:
+            await self.projection.catch_up()
+        return {"request_id": accepted.request_id, "model_id": accepted.aggregate_id}
+
+    async def _reject(self, model_id: str, seq_id: int, error: TinsmithError) -> None:
+        """Record that this seq_id will never run, so the run's later requests do not wait."""
+        rejected = bus.RequestRejected(
+            aggregate_id=model_id, seq_id=seq_id, kind=error.kind, detail=error.detail
+        )
+        await self.log.append(
+            events.make(request_rejected=rejected), msg_id=events.request_id(model_id, seq_id)
+        )
+
+    async def _resolve(self, tinker_path: str) -> bus.WeightsSaved:
+        """Ask the checkpoint service what a tinker:// path refers to."""
+        artifacts.parse(tinker_path)
+        reply = bus.ResolvedCheckpoint()
+        reply.ParseFromString(
+            await self.log.bus.request(
+                subjects.RESOLVE_CHECKPOINT,
+                bus.ResolveCheckpoint(tinker_path=tinker_path).SerializeToString(),
+            )
+        )
+        if reply.error_kind:
+            raise from_kind(reply.error_kind, reply.error_detail)
+        return reply.checkpoint

@@ -1,0 +1,116 @@
+"""The Tinker HTTP API (what the official SDK speaks), on aiohttp.
+
+Owns: routes, request bodies in and responses out, and the conversion of errors to HTTP
+(400/404/422 with ``{"detail": ...}``; never an empty 400, never 5xx for a permanent error).
+Does not own: what the operations do (handlers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
+
+from .handlers import Gateway
+
+log = logging.getLogger(__name__)
+
+API = "/api/v1"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return web.json_response(
+                {"detail": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status
+            )
+        raise
+    except TinsmithError as error:
+        if error.http_status >= 500:
+            log.error("%s %s failed: %s", request.method, request.path, error.detail)
+        return web.json_response(http_body(error), status=error.http_status)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return web.json_response(
+            http_body(InternalError("internal error; see the gateway log")), status=500
+        )
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
+
+    def post(path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any]) -> None:
+        async def route(request: web.Request) -> web.StreamResponse:
+            result = fn(await _json(request))
+            if isinstance(result, Awaitable):
+                result = await result
+            return web.json_response(result)
+
+        app.router.add_post(API + path, route)
+
+    post("/client/config", lambda _: gateway.client_config())
+    post("/client/dynamic_config", lambda _: {"refresh_interval_sec": 300})
+    post("/telemetry", lambda _: {"status": "accepted"})
+    post("/create_session", gateway.create_session)
+    post("/session_heartbeat", gateway.heartbeat)
+    post("/create_model", gateway.create_model)
+    post("/get_info", gateway.get_info)
+    post("/optim_step", gateway.optim_step)
+    post("/save_weights", lambda body: gateway.save_weights(body, for_sampler=False))
+    post("/save_weights_for_sampler", lambda body: gateway.save_weights(body, for_sampler=True))
+    post("/create_sampling_session", gateway.create_sampling_session)
+    post("/asample", gateway.asample)
+
+    async def finish(request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        return web.json_response(await gateway.finish_session(request.match_info["id"], body))
+
+    async def forward_backward(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Content-Encoding", "").lower() not in ("", "identity"):
+            raise InvalidRequest("compressed forward_backward bodies are not accepted")
+        return web.json_response(await gateway.forward_backward(await request.read()))
+
+    async def retrieve_future(request: web.Request) -> web.StreamResponse:
+        result, media_type = await gateway.retrieve_future(await _json(request))
+        if isinstance(result, bytes):
+            return web.Response(body=result, content_type=media_type)
+        return web.json_response(result)
+
+    async def get_sampler(request: web.Request) -> web.StreamResponse:
+        return web.json_response(gateway.get_sampler(request.match_info["id"]))
+
+    async def capabilities(_: web.Request) -> web.StreamResponse:
+        return web.json_response(gateway.server_capabilities())
+
+    async def healthz(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"status": "ok"})
+
+    app.router.add_post(API + "/sessions/{id}/finish", finish)
+    app.router.add_post(API + "/forward_backward", forward_backward)
+    app.router.add_post(API + "/retrieve_future", retrieve_future)
+    app.router.add_get(API + "/samplers/{id}", get_sampler)
+    app.router.add_get(API + "/get_server_capabilities", capabilities)
+    app.router.add_get(API + "/healthz", healthz)
+    return app

@@ -1,0 +1,182 @@
+"""The JSON shapes of Tinker requests, read into bus messages with clear errors.
+
+Owns: reading fields out of the SDK's JSON bodies (ignoring unknown fields, since newer SDKs add
+some), and saying precisely which field was wrong and what is accepted. Does not own: what the
+operation does with them (handlers.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import InvalidRequest
+
+# What a sample without max_tokens gets.
+DEFAULT_MAX_TOKENS = 256
+
+
+def req_str(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"field {name!r} is required and must be a non-empty string")
+    return value
+
+
+def opt_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f"field {name!r} must be a string")
+    return value
+
+
+def req_int(
+    body: dict[str, Any],
+    name: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    default: int | None = None,
+) -> int:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"field {name!r} is required and must be an integer")
+    if minimum is not None and value < minimum:
+        raise InvalidRequest(f"field {name!r} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidRequest(f"field {name!r} must be <= {maximum}, got {value}")
+    return value
+
+
+def number(body: dict[str, Any], name: str, default: float | None = None) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"field {name!r} is required and must be a number")
+    return float(value)
+
+
+def str_list(body: dict[str, Any], name: str) -> list[str]:
+    value = body.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidRequest(f"field {name!r} must be a list of strings")
+    return value
+
+
+def str_map(body: dict[str, Any], name: str) -> dict[str, str]:
+    value = body.get(name) or {}
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"field {name!r} must be an object of strings")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def lora_config(value: Any) -> bus.LoraConfig:
+    if not isinstance(value, dict):
+        raise InvalidRequest("field 'lora_config' is required: {rank, train_mlp, train_attn, ...}")
+    config = bus.LoraConfig(
+        rank=req_int(value, "rank", minimum=1, maximum=1024, default=32),
+        train_mlp=bool(value.get("train_mlp", True)),
+        train_attn=bool(value.get("train_attn", True)),
+        train_unembed=bool(value.get("train_unembed", True)),
+    )
+    if value.get("seed") is not None:
+        config.seed = req_int(value, "seed", minimum=0, maximum=2**64 - 1)
+    if not (config.train_mlp or config.train_attn or config.train_unembed):
+        raise InvalidRequest("lora_config must train at least one of mlp, attn and unembed")
+    return config
+
+
+def adam_params(value: Any) -> bus.AdamParams:
+    if not isinstance(value, dict):
+        raise InvalidRequest(
+            "field 'adam_params' is required: {learning_rate, beta1, beta2, eps, weight_decay, "
+            "grad_clip_norm}"
+        )
+    adam = bus.AdamParams(
+        learning_rate=number(value, "learning_rate", 1e-4),
+        beta1=number(value, "beta1", 0.9),
+        beta2=number(value, "beta2", 0.95),
+        eps=number(value, "eps", 1e-12),
+        weight_decay=number(value, "weight_decay", 0.0),
+        grad_clip_norm=number(value, "grad_clip_norm", 0.0),
+    )
+    if adam.learning_rate < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1:
+        raise InvalidRequest("adam_params needs learning_rate >= 0 and 0 <= beta1, beta2 < 1")
+    if adam.eps <= 0 or adam.weight_decay < 0 or adam.grad_clip_norm < 0:
+        raise InvalidRequest("adam_params needs eps > 0, weight_decay >= 0, grad_clip_norm >= 0")
+    return adam
+
+
+def model_input(value: Any) -> list[int]:
+    """The tokens of a JSON ModelInput ``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``."""
+    if not isinstance(value, dict) or not isinstance(value.get("chunks"), list):
+        raise InvalidRequest("field 'prompt' must be a ModelInput: {'chunks': [...]}")
+    tokens: list[int] = []
+    for i, chunk in enumerate(value["chunks"]):
+        kind = chunk.get("type", "encoded_text") if isinstance(chunk, dict) else None
+        if kind != "encoded_text":
+            raise InvalidRequest(
+                f"prompt chunk {i} is {kind!r}; only encoded_text chunks are accepted by the "
+                "text models this server hosts"
+            )
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise InvalidRequest(f"prompt chunk {i} 'tokens' must be a list of integers")
+        tokens.extend(ids)
+    return tokens
+
+
+def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
+    value = value or {}
+    if not isinstance(value, dict):
+        raise InvalidRequest("field 'sampling_params' must be an object")
+    params = tp.SamplingParams(
+        max_tokens=req_int(value, "max_tokens", minimum=1, default=DEFAULT_MAX_TOKENS)
+        if value.get("max_tokens") is not None
+        else DEFAULT_MAX_TOKENS,
+        temperature=number(value, "temperature", 1.0),
+        top_k=req_int(value, "top_k", default=-1),
+        top_p=number(value, "top_p", 1.0),
+    )
+    if value.get("seed") is not None:
+        params.seed = req_int(value, "seed", minimum=-(2**63), maximum=2**64 - 1) % 2**64
+    if params.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k == 0 or params.top_k < -1:
+        raise InvalidRequest(f"top_k must be -1 (no limit) or >= 1, got {params.top_k}")
+    stop = value.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is None:
+        pass  # stop at end-of-sequence
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if any(s == "" for s in stop):
+            raise InvalidRequest("stop strings must not be empty")
+        params.stop_strs.values.extend(stop)
+        params.stop_strs.SetInParent()
+    elif isinstance(stop, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+        check_vocab(np.asarray(stop, np.int64), vocab_size, "stop token ids")
+        params.stop_tokens.values.extend(stop)
+        params.stop_tokens.SetInParent()  # [] means: no stop at all, not even end-of-sequence
+    else:
+        raise InvalidRequest("stop must be a string, a list of strings, or a list of token ids")
+    return params
+
+
+def check_vocab(tokens: npt.ArrayLike, vocab_size: int, what: str) -> None:
+    array = np.asarray(tokens)
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        bad = int(array.min()) if array.min() < 0 else int(array.max())
+        raise InvalidRequest(
+            f"{what} contains token id {bad}, outside the vocabulary: ids must be in "
+            f"[0, {vocab_size})"
+        )

@@ -1,0 +1,25 @@
+"""The sampler's settings, read once from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinsmith import models
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    blob_url: str
+    cache_dir: Path
+    # How many accepted sample requests one replica takes from the shared queue at a time.
+    batch: int = 16
+
+    @classmethod
+    def from_env(cls) -> SamplerConfig:
+        return cls(
+            blob_url=os.environ.get("TINSMITH_BLOB_URL", f"file://{Path.cwd() / 'blobs'}"),
+            cache_dir=Path(os.environ.get("TINSMITH_CACHE_DIR", str(models.default_cache_dir()))),
+            batch=int(os.environ.get("TINSMITH_SAMPLER_BATCH", cls.batch)),
+        )

@@ -1,0 +1,89 @@
+"""The sampler's work loop: accepted sample requests from the shared queue, adapters fetched
+from the object store by key, results and completions appended to the log.
+
+Owns: taking work, fetching adapters, acking once the outcome is durable. Does not own: the
+sampling math (engine.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from tinsmith import events, subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith.blobs import BlobStore
+from tinsmith.bus import Bus, Delivery
+from tinsmith.compute import ComputeThread
+from tinsmith.eventlog import PROTOBUF, EventLog
+from tinsmith.failures import InternalError, NotFound, TinsmithError
+
+from .config import SamplerConfig
+from .engine import SamplerEngine
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    def __init__(self, bus_: Bus, engine: SamplerEngine, blobs: BlobStore, config: SamplerConfig):
+        self.bus = bus_
+        self.log = EventLog(bus_)
+        self.engine = engine
+        self.blobs = blobs
+        self.config = config
+        self.compute = ComputeThread("sampler-compute")
+
+    async def start(self) -> None:
+        await self.bus.consume(
+            subjects.EVENTS_STREAM,
+            subjects.SAMPLER_CONSUMER,
+            subjects.events_of("sampler"),
+            self._on_deliveries,
+            batch=self.config.batch,
+            ack_wait_s=300.0,
+        )
+
+    async def _on_deliveries(self, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            event = events.decode(delivery.data)
+            if events.kind_of(event) == "request_accepted":
+                await self._execute(event.request_accepted)
+            await delivery.ack()
+
+    async def _execute(self, accepted: bus.RequestAccepted) -> None:
+        started = time.perf_counter()
+        try:
+            command = accepted.sample
+            if command.adapter_key:
+                await self._ensure_adapter(command.base_model, command.adapter_key)
+            result = await self.compute.run(self.engine.sample, command)
+        except TinsmithError as error:
+            await self.log.fail(
+                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
+                request_aggregate="sampler",
+            )
+            return
+        except Exception as exc:
+            log.exception("sample request %s failed", accepted.request_id)
+            error = InternalError(f"sampling failed inside the sampler: {exc}")
+            await self.log.fail(
+                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
+                request_aggregate="sampler",
+            )
+            return
+        await self.log.complete(
+            accepted.request_id, accepted.aggregate_id, result, PROTOBUF,
+            request_aggregate="sampler", compute_seconds=time.perf_counter() - started,
+        )
+
+    async def _ensure_adapter(self, base_model: str, key: str) -> None:
+        if await self.compute.run(self.engine.has_adapter, base_model, key):
+            return
+        with tempfile.TemporaryDirectory(prefix="tinsmith-adapter-") as tmp:
+            try:
+                await self.blobs.get_dir(key, Path(tmp))
+            except FileNotFoundError as exc:
+                raise NotFound(f"the adapter weights at {key!r} are gone: {exc}") from exc
+            await self.compute.run(self.engine.load_adapter, base_model, key, Path(tmp))

@@ -1,0 +1,21 @@
+"""`python -m services.trainer`: the training service (wiring only)."""
+
+from __future__ import annotations
+
+from tinsmith import runtime
+from tinsmith.blobs import BlobStore
+from tinsmith.bus import Bus
+
+from .config import TrainerConfig
+from .engine import TrainerEngine
+from .handlers import Trainer
+
+
+async def start(bus: Bus) -> None:
+    config = TrainerConfig.from_env()
+    trainer = Trainer(bus, TrainerEngine(config.cache_dir), BlobStore(config.blob_url))
+    await trainer.start()
+
+
+if __name__ == "__main__":
+    runtime.run("trainer", start)

@@ -1,0 +1,220 @@
+"""The trainer's torch engine: one frozen base model per base-model name, and per run its own
+LoRA adapter (a named PEFT adapter on that base) and its own AdamW optimizer.
+
+Owns: every torch call of the trainer; it runs on the process's one compute thread. Does not own:
+ordering, the bus or storage (handlers.py). Losses are per-token sums, as the Tinker docs define
+them, never means.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tinsmith import artifacts, models
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import InvalidRequest, NotFound
+from tinsmith.tensors import batched, decode_tensor, model_input_tokens
+
+# LoRA scaling is alpha / rank with a fixed alpha, so a learning rate carries across ranks.
+LORA_ALPHA = 32
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_UNEMBED = ("lm_head",)
+
+
+@dataclass
+class Run:
+    model_id: str
+    base_model: str
+    adapter: str
+    rank: int
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+
+
+class TrainerEngine:
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = cache_dir
+        self.bases: dict[str, PeftModel] = {}
+        self.model_dirs: dict[str, Path] = {}
+        self.runs: dict[str, Run] = {}
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    def create_run(self, model_id: str, command: bus.CreateModel) -> str:
+        """Create the run's adapter and optimizer; return the tokenizer id for get_info."""
+        if model_id in self.runs:
+            return str(self.model_dirs[command.base_model])
+        lora = command.lora
+        targets = (
+            (_ATTN if lora.train_attn else ())
+            + (_MLP if lora.train_mlp else ())
+            + (_UNEMBED if lora.train_unembed else ())
+        )
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,  # dropout would make RL importance ratios inexact
+            target_modules=list(targets),
+            bias="none",
+        )
+        adapter = _adapter_name(model_id)
+        seed = lora.seed if lora.HasField("seed") else int.from_bytes(np.random.bytes(8)) >> 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed % 2**63)
+            peft_model = self._with_adapter(command.base_model, adapter, config)
+        params = {
+            name: param
+            for name, param in peft_model.named_parameters()
+            if f".{adapter}." in name
+        }
+        for param in params.values():
+            param.requires_grad_(True)
+        optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4)
+        self.runs[model_id] = Run(
+            model_id, command.base_model, adapter, lora.rank, params, optimizer
+        )
+        return str(self.model_dirs[command.base_model])
+
+    def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
+        peft_model = self.bases.get(base_model)
+        if peft_model is None:
+            directory = models.materialize(base_model, self.cache_dir)
+            base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch.float32
+            )
+            base.requires_grad_(False)
+            base.eval()
+            peft_model = get_peft_model(base, config, adapter_name=adapter)
+            self.bases[base_model] = peft_model
+            self.model_dirs[base_model] = directory
+        else:
+            peft_model.add_adapter(adapter, config)
+        return peft_model
+
+    def _activate(self, model_id: str) -> tuple[Run, PeftModel]:
+        run = self.runs.get(model_id)
+        if run is None:
+            raise NotFound(f"training run {model_id!r} is not loaded on this trainer")
+        model = self.bases[run.base_model]
+        model.base_model.set_adapter(run.adapter)
+        for param in run.params.values():  # set_adapter freezes the others; keep ours trainable
+            param.requires_grad_(True)
+        return run, model
+
+    # -- forward / backward --------------------------------------------------------------------
+
+    def forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
+        """Run the whole batch in one padded forward pass; accumulate gradients unless
+        ``forward_only``. Returns a serialized ``ForwardBackwardOutput``."""
+        run, model = self._activate(model_id)
+        inputs = [model_input_tokens(d.model_input) for d in request.data]
+        lengths = [len(t) for t in inputs]
+        width = max(lengths)
+        ids = torch.zeros((len(inputs), width), dtype=torch.long)
+        mask = torch.zeros((len(inputs), width), dtype=torch.long)
+        targets = torch.zeros((len(inputs), width), dtype=torch.long)
+        weights = torch.zeros((len(inputs), width), dtype=torch.float32)
+        for i, (tokens, datum) in enumerate(zip(inputs, request.data, strict=True)):
+            n = lengths[i]
+            ids[i, :n] = torch.from_numpy(tokens.astype(np.int64))
+            mask[i, :n] = 1
+            target = decode_tensor(datum.loss_fn_inputs["target_tokens"], "target_tokens")
+            if target.ndim != 1:
+                raise InvalidRequest("target_tokens must be 1-D (one target per position)")
+            targets[i, :n] = torch.from_numpy(target.astype(np.int64))
+            if "weights" in datum.loss_fn_inputs:
+                w = decode_tensor(datum.loss_fn_inputs["weights"], "weights")
+                weights[i, :n] = torch.from_numpy(w.astype(np.float32).reshape(n))
+            else:
+                weights[i, :n] = 1.0
+        grad = not request.forward_only
+        model.train(False)
+        with torch.set_grad_enabled(grad):
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+            elementwise = -weights * logprobs
+            loss = elementwise.sum()
+            if grad:
+                loss.backward()
+        out = tp.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(inputs))
+        lp = logprobs.detach().numpy()
+        el = elementwise.detach().numpy()
+        record.fields["logprobs"].CopyFrom(batched([lp[i, :n] for i, n in enumerate(lengths)]))
+        record.fields["elementwise_loss"].CopyFrom(
+            batched([el[i, :n] for i, n in enumerate(lengths)])
+        )
+        out.metrics["loss:sum"] = float(loss.detach())
+        return out.SerializeToString()
+
+    # -- optimizer -----------------------------------------------------------------------------
+
+    def optim_step(self, model_id: str, adam: bus.AdamParams) -> dict[str, float]:
+        """One AdamW step on the run's own accumulated gradients, then zero them."""
+        run, _ = self._activate(model_id)
+        params = [p for p in run.params.values() if p.grad is not None]
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        for group in run.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        before = [p.detach().clone() for p in params]
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before, strict=True)))
+        return {
+            "grad_norm:mean": grad_norm,
+            "learning_rate:mean": adam.learning_rate,
+            "update_norm:mean": update,
+        }
+
+    # -- export --------------------------------------------------------------------------------
+
+    def export(self, model_id: str, directory: Path, *, with_optimizer: bool) -> dict[str, Any]:
+        """Write the run's adapter in PEFT's on-disk format (plus optimizer state and metadata
+        for a training checkpoint) into ``directory``."""
+        run, model = self._activate(model_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = get_peft_model_state_dict(model, adapter_name=run.adapter)
+        save_file({k: v.detach().contiguous() for k, v in state.items()},
+                  str(directory / artifacts.ADAPTER_WEIGHTS))
+        config = model.peft_config[run.adapter]
+        config.base_model_name_or_path = run.base_model
+        config.save_pretrained(str(directory))
+        if with_optimizer:
+            save_file(_optimizer_tensors(run), str(directory / artifacts.OPTIMIZER_STATE))
+        metadata = {"model_id": model_id, "base_model": run.base_model, "lora_rank": run.rank}
+        (directory / artifacts.METADATA).write_text(json.dumps(metadata))
+        return metadata
+
+
+def _optimizer_tensors(run: Run) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in run.params.items():
+        state = run.optimizer.state.get(param, {})
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}.{key}"] = value.detach().contiguous().reshape(value.shape)
+    return tensors
+
+
+def _adapter_name(model_id: str) -> str:
+    """PEFT adapter names become module attribute names: no '.' and no ':'."""
+    return "run_" + "".join(c if c.isalnum() else "_" for c in model_id)

@@ -1,0 +1,311 @@
+from tinsmith._proto import tinker_public_pb2 as _tinker_public_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKPOINT_KIND_UNSPECIFIED: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_TRAINING: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_SAMPLER: _ClassVar[CheckpointKind]
+CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
+CHECKPOINT_KIND_TRAINING: CheckpointKind
+CHECKPOINT_KIND_SAMPLER: CheckpointKind
+
+class LoraConfig(_message.Message):
+    __slots__ = ("rank", "seed", "train_mlp", "train_attn", "train_unembed")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    seed: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    def __init__(self, rank: _Optional[int] = ..., seed: _Optional[int] = ..., train_mlp: _Optional[bool] = ..., train_attn: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
+
+class CreateModel(_message.Message):
+    __slots__ = ("session_id", "base_model", "lora", "optimizer", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_model: str
+    lora: LoraConfig
+    optimizer: str
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., optimizer: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class OptimStep(_message.Message):
+    __slots__ = ("adam",)
+    ADAM_FIELD_NUMBER: _ClassVar[int]
+    adam: AdamParams
+    def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
+
+class SaveWeights(_message.Message):
+    __slots__ = ("kind", "name", "sampler_id", "ttl_seconds", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    kind: CheckpointKind
+    name: str
+    sampler_id: str
+    ttl_seconds: int
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., sampler_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    adapter_key: str
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    params: _tinker_public_pb2.SamplingParams
+    num_samples: int
+    prompt_logprobs: bool
+    prompt_logprobs_last_n: int
+    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
+
+class SessionCreated(_message.Message):
+    __slots__ = ("session_id", "tags", "user_metadata", "project_id", "display_name", "sdk_version")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
+    SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    user_metadata: _containers.ScalarMap[str, str]
+    project_id: str
+    display_name: str
+    sdk_version: str
+    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., project_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sdk_version: _Optional[str] = ...) -> None: ...
+
+class SessionFinished(_message.Message):
+    __slots__ = ("session_id", "reason", "detail")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reason: str
+    detail: str
+    def __init__(self, session_id: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RequestAccepted(_message.Message):
+    __slots__ = ("request_id", "aggregate_id", "seq_id", "create_model", "forward_backward", "optim_step", "save_weights", "sample")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    aggregate_id: str
+    seq_id: int
+    create_model: CreateModel
+    forward_backward: _tinker_public_pb2.ForwardBackwardRequest
+    optim_step: OptimStep
+    save_weights: SaveWeights
+    sample: Sample
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_public_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
+
+class RequestRejected(_message.Message):
+    __slots__ = ("aggregate_id", "seq_id", "kind", "detail")
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    aggregate_id: str
+    seq_id: int
+    kind: str
+    detail: str
+    def __init__(self, aggregate_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RequestCompleted(_message.Message):
+    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    aggregate_id: str
+    result_seq: int
+    media_type: str
+    compute_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+
+class RequestFailed(_message.Message):
+    __slots__ = ("request_id", "aggregate_id", "kind", "detail")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    aggregate_id: str
+    kind: str
+    detail: str
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RunCreated(_message.Message):
+    __slots__ = ("model_id", "session_id", "base_model", "lora", "user_metadata", "tokenizer_id")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    session_id: str
+    base_model: str
+    lora: LoraConfig
+    user_metadata: _containers.ScalarMap[str, str]
+    tokenizer_id: str
+    def __init__(self, model_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., tokenizer_id: _Optional[str] = ...) -> None: ...
+
+class WeightsSaved(_message.Message):
+    __slots__ = ("model_id", "tinker_path", "blob_key", "kind", "base_model", "lora_rank", "size_bytes", "ttl_seconds", "user_metadata")
+    class UserMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    BLOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tinker_path: str
+    blob_key: str
+    kind: CheckpointKind
+    base_model: str
+    lora_rank: int
+    size_bytes: int
+    ttl_seconds: int
+    user_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., blob_key: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SamplerCreated(_message.Message):
+    __slots__ = ("sampler_id", "session_id", "base_model", "model_path", "adapter_key")
+    SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_KEY_FIELD_NUMBER: _ClassVar[int]
+    sampler_id: str
+    session_id: str
+    base_model: str
+    model_path: str
+    adapter_key: str
+    def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FAILED_FIELD_NUMBER: _ClassVar[int]
+    RUN_CREATED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_CREATED_FIELD_NUMBER: _ClassVar[int]
+    time: float
+    session_created: SessionCreated
+    session_finished: SessionFinished
+    request_accepted: RequestAccepted
+    request_rejected: RequestRejected
+    request_completed: RequestCompleted
+    request_failed: RequestFailed
+    run_created: RunCreated
+    weights_saved: WeightsSaved
+    sampler_created: SamplerCreated
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ...) -> None: ...
+
+class ResolveCheckpoint(_message.Message):
+    __slots__ = ("tinker_path",)
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    tinker_path: str
+    def __init__(self, tinker_path: _Optional[str] = ...) -> None: ...
+
+class ResolvedCheckpoint(_message.Message):
+    __slots__ = ("error_kind", "error_detail", "checkpoint")
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    error_kind: str
+    error_detail: str
+    checkpoint: WeightsSaved
+    def __init__(self, error_kind: _Optional[str] = ..., error_detail: _Optional[str] = ..., checkpoint: _Optional[_Union[WeightsSaved, _Mapping]] = ...) -> None: ...

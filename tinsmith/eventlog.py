@@ -1,0 +1,137 @@
+"""Append to and replay the event log, and keep request results, over JetStream.
+
+Owns: the mapping of events to subjects and streams, de-duplication of appends, the results
+stream, and ``FollowedProjection``, which keeps a ``jobs.Projection`` current and lets a caller wait
+until it reflects a given log position (read-your-writes). Does not own: what events mean.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tinsmith import events, jobs, subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith.bus import Bus
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+PROTOBUF = "application/x-protobuf"
+_MEDIA_TYPES = {JSON: b"j", PROTOBUF: b"p"}
+_MEDIA_BY_TAG = {tag: media for media, tag in _MEDIA_TYPES.items()}
+
+
+class EventLog:
+    def __init__(self, bus_: Bus) -> None:
+        self.bus = bus_
+
+    async def append(
+        self, event: bus.Event, *, msg_id: str | None = None, request_aggregate: str = "run"
+    ) -> tuple[int, bool]:
+        """Append ``event`` on its aggregate's subject; return ``(log position, duplicate)``.
+        ``msg_id`` makes a retried append within the duplicate window a no-op."""
+        aggregate, agg_id = events.aggregate_of(event, request_aggregate=request_aggregate)
+        ack = await self.bus.publish(
+            subjects.event_subject(aggregate, agg_id), events.encode(event), msg_id=msg_id
+        )
+        return int(ack.seq), bool(ack.duplicate)
+
+    async def put_result(self, request_id: str, body: bytes, media_type: str) -> int:
+        """Store a result, tagged with its media type; return its sequence in the results stream."""
+        ack = await self.bus.publish(
+            subjects.result_subject(request_id),
+            _MEDIA_TYPES[media_type] + body,
+            msg_id=f"result:{request_id}",
+        )
+        return int(ack.seq)
+
+    async def get_result(self, result_seq: int) -> tuple[bytes, str]:
+        data = await self.bus.get(subjects.RESULTS_STREAM, result_seq)
+        return data[1:], _MEDIA_BY_TAG[data[:1]]
+
+    async def complete(
+        self,
+        request_id: str,
+        aggregate_id: str,
+        body: bytes,
+        media_type: str,
+        *,
+        request_aggregate: str,
+        compute_seconds: float = 0.0,
+    ) -> None:
+        """Store a result, then record the completion that points at it."""
+        seq = await self.put_result(request_id, body, media_type)
+        done = bus.RequestCompleted(
+            request_id=request_id,
+            aggregate_id=aggregate_id,
+            result_seq=seq,
+            media_type=media_type,
+            compute_seconds=compute_seconds,
+        )
+        await self.append(
+            events.make(request_completed=done),
+            msg_id=f"done:{request_id}",
+            request_aggregate=request_aggregate,
+        )
+
+    async def fail(
+        self, request_id: str, aggregate_id: str, kind: str, detail: str, *, request_aggregate: str
+    ) -> None:
+        failed = bus.RequestFailed(
+            request_id=request_id, aggregate_id=aggregate_id, kind=kind, detail=detail
+        )
+        await self.append(
+            events.make(request_failed=failed),
+            msg_id=f"done:{request_id}",
+            request_aggregate=request_aggregate,
+        )
+
+
+class FollowedProjection:
+    """A ``jobs.Projection`` kept current by following the whole log from its start."""
+
+    def __init__(self, eventlog: EventLog) -> None:
+        self.eventlog = eventlog
+        self.state = jobs.Projection()
+        self._changed = asyncio.Condition()
+
+    async def start(self) -> None:
+        """Replay the log so far, then keep following it."""
+        target = await self.eventlog.bus.last_seq(subjects.EVENTS_STREAM)
+        await self.eventlog.bus.follow(subjects.EVENTS_STREAM, subjects.EVENTS_ALL, self._on_event)
+        await self.wait_for(target)
+
+    async def _on_event(self, seq: int, data: bytes) -> None:
+        try:
+            self.state.apply(seq, events.decode(data))
+        except Exception:
+            log.exception("event %d could not be applied; skipped", seq)
+            self.state.position = max(self.state.position, seq)
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_for(self, position: int, timeout: float | None = None) -> bool:
+        """Wait until the projection reflects the log up to ``position``; False on timeout."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self.state.position >= position), timeout
+                )
+            except TimeoutError:
+                return False
+        return True
+
+    async def wait_until(self, predicate: object, timeout: float) -> bool:
+        """Wait until ``predicate()`` holds after some event, or ``timeout`` seconds pass."""
+        assert callable(predicate)
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    async def catch_up(self) -> None:
+        """Wait until every event appended so far, by any process, is reflected."""
+        await self.wait_for(await self.eventlog.bus.last_seq(subjects.EVENTS_STREAM))

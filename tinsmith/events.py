@@ -1,0 +1,74 @@
+"""The event types of the log, and how an event finds its aggregate and its bytes.
+
+Owns: constructing events, naming the aggregate each one belongs to, encoding, and the request
+id convention. The types themselves are the protobuf messages of proto/tinsmith/v1/bus.proto.
+Does not own: appending or reading the log (tinsmith/eventlog.py) or folding (tinsmith/jobs.py).
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tinsmith._proto import bus_pb2 as bus
+
+Event = bus.Event
+
+# Which aggregate each event kind belongs to, and the field that names it.
+_AGGREGATE: dict[str, tuple[str, str]] = {
+    "session_created": ("session", "session_id"),
+    "session_finished": ("session", "session_id"),
+    "run_created": ("run", "model_id"),
+    "weights_saved": ("run", "model_id"),
+    "sampler_created": ("sampler", "sampler_id"),
+}
+_REQUEST_EVENTS = ("request_accepted", "request_rejected", "request_completed", "request_failed")
+
+
+def make(**kind: Any) -> bus.Event:
+    """Build an event from exactly one keyword, e.g. ``make(session_created=...)``, stamped now."""
+    if len(kind) != 1:
+        raise ValueError(f"an event has exactly one kind, got {sorted(kind)}")
+    return bus.Event(time=time.time(), **kind)
+
+
+def kind_of(event: bus.Event) -> str:
+    kind = event.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("event has no kind")
+    return kind
+
+
+def aggregate_of(event: bus.Event, *, request_aggregate: str = "run") -> tuple[str, str]:
+    """``(aggregate type, aggregate id)`` of an event. Request events belong to the run or sampler
+    named by their ``aggregate_id``; ``request_aggregate`` says which."""
+    kind = kind_of(event)
+    body = getattr(event, kind)
+    if kind in _REQUEST_EVENTS:
+        return request_aggregate, body.aggregate_id
+    aggregate, field = _AGGREGATE[kind]
+    return aggregate, getattr(body, field)
+
+
+def request_id(aggregate_id: str, seq_id: int) -> str:
+    """Request ids are derived from ``(aggregate, seq_id)``, so a retried submission finds the
+    first future without any lookup, on any gateway replica."""
+    return f"{aggregate_id}:{seq_id}"
+
+
+def command_of(accepted: bus.RequestAccepted) -> str:
+    command = accepted.WhichOneof("command")
+    if command is None:
+        raise ValueError(f"request {accepted.request_id} carries no command")
+    return command
+
+
+def encode(event: bus.Event) -> bytes:
+    return event.SerializeToString()
+
+
+def decode(data: bytes) -> bus.Event:
+    event = bus.Event()
+    event.ParseFromString(data)
+    return event

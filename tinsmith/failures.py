@@ -1,0 +1,94 @@
+"""The error tree, and its one mapping to the wire.
+
+Owns: the root exception, its few kinds, and their conversion to an HTTP status, a gRPC status
+code, a Tinker failure category, and back from the bus. Does not own: deciding *when* something
+is an error; each service raises the kind that fits.
+
+Permanent errors reach the SDK as 400/404/422 with ``{"detail": ...}``: the SDK retries
+408/409/429/5xx for minutes, so a permanent error must never use those codes.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import ClassVar
+
+
+class Category(StrEnum):
+    """Who is at fault, as the Tinker SDK's ``RequestFailedError.category`` spells it."""
+
+    USER = "user"
+    SERVER = "server"
+
+
+class TinsmithError(Exception):
+    """The root of every error tinsmith raises on purpose. ``detail`` is one clear sentence."""
+
+    kind: ClassVar[str] = "internal"
+    http_status: ClassVar[int] = 500
+    grpc_code: ClassVar[str] = "INTERNAL"
+    category: ClassVar[Category] = Category.SERVER
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class InvalidRequest(TinsmithError):
+    """The request is malformed or asks for something that is not offered (HTTP 400)."""
+
+    kind = "invalid_request"
+    http_status = 400
+    grpc_code = "INVALID_ARGUMENT"
+    category = Category.USER
+
+
+class NotFound(TinsmithError):
+    """The request names a session, run, sampler, future or checkpoint that does not exist."""
+
+    kind = "not_found"
+    http_status = 404
+    grpc_code = "NOT_FOUND"
+    category = Category.USER
+
+
+class Unprocessable(TinsmithError):
+    """Well-formed, but cannot be applied to the current state (HTTP 422)."""
+
+    kind = "unprocessable"
+    http_status = 422
+    grpc_code = "FAILED_PRECONDITION"
+    category = Category.USER
+
+
+class Unavailable(TinsmithError):
+    """A transient condition: a dependency is down or still starting. Retrying is right."""
+
+    kind = "unavailable"
+    http_status = 503
+    grpc_code = "UNAVAILABLE"
+    category = Category.SERVER
+
+
+class InternalError(TinsmithError):
+    """A bug or an unexpected failure inside tinsmith."""
+
+
+_KINDS: dict[str, type[TinsmithError]] = {
+    cls.kind: cls for cls in (InvalidRequest, NotFound, Unprocessable, Unavailable, InternalError)
+}
+
+
+def from_kind(kind: str, detail: str) -> TinsmithError:
+    """Rebuild an error that crossed the bus as ``(kind, detail)``."""
+    return _KINDS.get(kind, InternalError)(detail)
+
+
+def http_body(error: TinsmithError) -> dict[str, str]:
+    """The JSON body of an HTTP error response (FastAPI's convention, which the SDK's CLI parses)."""
+    return {"detail": error.detail}
+
+
+def future_failure(kind: str, detail: str) -> dict[str, str]:
+    """The JSON a failed future resolves to: the SDK raises ``RequestFailedError`` from it."""
+    return {"error": detail, "category": from_kind(kind, detail).category.value}

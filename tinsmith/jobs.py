@@ -1,0 +1,202 @@
+"""The state of sessions, runs, samplers, requests and checkpoints, as folds over the event log.
+
+Owns: ``evolve(state, event) -> state`` for each aggregate, and ``Projection``, which indexes the
+folded states of a whole log for the services that read it. Does not own: where events come from.
+Pure: no I/O; the per-aggregate states are immutable, and a projection is rebuilt by replaying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TypeVar
+
+from tinsmith import events
+from tinsmith._proto import bus_pb2 as bus
+
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Status(StrEnum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class RequestState:
+    request_id: str
+    aggregate_id: str
+    seq_id: int
+    command: str
+    status: Status = Status.PENDING
+    result_seq: int = 0
+    media_type: str = ""
+    error_kind: str = ""
+    error_detail: str = ""
+
+
+@dataclass(frozen=True)
+class SessionState:
+    session_id: str
+    tags: tuple[str, ...] = ()
+    user_metadata: tuple[tuple[str, str], ...] = ()
+    finished: bool = False
+    run_ids: tuple[str, ...] = ()
+    sampler_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunState:
+    model_id: str
+    session_id: str
+    base_model: str
+    lora_rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    user_metadata: tuple[tuple[str, str], ...] = ()
+    ready: bool = False
+    tokenizer_id: str = ""
+    last_seq_id: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    sampler_id: str
+    session_id: str
+    base_model: str
+    model_path: str
+    adapter_key: str
+
+
+def evolve_request(state: RequestState | None, event: bus.Event) -> RequestState | None:
+    kind = events.kind_of(event)
+    if kind == "request_accepted":
+        accepted = event.request_accepted
+        return state or RequestState(
+            request_id=accepted.request_id,
+            aggregate_id=accepted.aggregate_id,
+            seq_id=accepted.seq_id,
+            command=events.command_of(accepted),
+        )
+    if state is None or state.status is not Status.PENDING:
+        return state  # the first outcome wins; a redelivered worker's repeat changes nothing
+    if kind == "request_completed":
+        done = event.request_completed
+        return replace(
+            state,
+            status=Status.COMPLETED,
+            result_seq=done.result_seq,
+            media_type=done.media_type,
+        )
+    if kind == "request_failed":
+        failed = event.request_failed
+        return replace(
+            state, status=Status.FAILED, error_kind=failed.kind, error_detail=failed.detail
+        )
+    return state
+
+
+def evolve_session(state: SessionState | None, event: bus.Event) -> SessionState | None:
+    kind = events.kind_of(event)
+    if kind == "session_created":
+        created = event.session_created
+        return SessionState(
+            session_id=created.session_id,
+            tags=tuple(created.tags),
+            user_metadata=tuple(sorted(created.user_metadata.items())),
+        )
+    if state is None:
+        return None
+    if kind == "session_finished":
+        return replace(state, finished=True)
+    if kind == "request_accepted" and event.request_accepted.HasField("create_model"):
+        return replace(state, run_ids=(*state.run_ids, event.request_accepted.aggregate_id))
+    if kind == "sampler_created":
+        return replace(state, sampler_ids=(*state.sampler_ids, event.sampler_created.sampler_id))
+    return state
+
+
+def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
+    kind = events.kind_of(event)
+    if kind == "request_accepted":
+        accepted = event.request_accepted
+        if accepted.HasField("create_model") and state is None:
+            create = accepted.create_model
+            return RunState(
+                model_id=accepted.aggregate_id,
+                session_id=create.session_id,
+                base_model=create.base_model,
+                lora_rank=create.lora.rank,
+                train_mlp=create.lora.train_mlp,
+                train_attn=create.lora.train_attn,
+                train_unembed=create.lora.train_unembed,
+                user_metadata=tuple(sorted(create.user_metadata.items())),
+            )
+        if state is not None:
+            return replace(state, last_seq_id=max(state.last_seq_id, accepted.seq_id))
+    if state is not None and kind == "run_created":
+        return replace(state, ready=True, tokenizer_id=event.run_created.tokenizer_id)
+    return state
+
+
+def evolve_sampler(state: SamplerState | None, event: bus.Event) -> SamplerState | None:
+    if events.kind_of(event) == "sampler_created" and state is None:
+        created = event.sampler_created
+        return SamplerState(
+            sampler_id=created.sampler_id,
+            session_id=created.session_id,
+            base_model=created.base_model,
+            model_path=created.model_path,
+            adapter_key=created.adapter_key,
+        )
+    return state
+
+
+@dataclass
+class Projection:
+    """Every aggregate's folded state, indexed by id, and the log position it reflects."""
+
+    sessions: dict[str, SessionState] = field(default_factory=dict)
+    runs: dict[str, RunState] = field(default_factory=dict)
+    samplers: dict[str, SamplerState] = field(default_factory=dict)
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    checkpoints: dict[str, bus.WeightsSaved] = field(default_factory=dict)
+    position: int = 0
+
+    def apply(self, seq: int, event: bus.Event) -> None:
+        """Fold one event in. Events at or below ``position`` were applied already."""
+        if seq <= self.position:
+            return
+        self.position = seq
+        kind = events.kind_of(event)
+        if kind.startswith("request_"):
+            body = getattr(event, kind)
+            rid = body.request_id if kind != "request_rejected" else ""
+            if rid:
+                _put(self.requests, rid, evolve_request(self.requests.get(rid), event))
+            agg = body.aggregate_id
+            _put(self.runs, agg, evolve_run(self.runs.get(agg), event))
+            if kind == "request_accepted" and body.HasField("create_model"):
+                sid = body.create_model.session_id
+                _put(self.sessions, sid, evolve_session(self.sessions.get(sid), event))
+            return
+        aggregate, agg_id = events.aggregate_of(event)
+        if aggregate == "session":
+            _put(self.sessions, agg_id, evolve_session(self.sessions.get(agg_id), event))
+        elif aggregate == "sampler":
+            _put(self.samplers, agg_id, evolve_sampler(self.samplers.get(agg_id), event))
+            sid = event.sampler_created.session_id
+            _put(self.sessions, sid, evolve_session(self.sessions.get(sid), event))
+        elif kind == "weights_saved":
+            self.checkpoints[event.weights_saved.tinker_path] = event.weights_saved
+        else:
+            _put(self.runs, agg_id, evolve_run(self.runs.get(agg_id), event))
+
+
+def _put(index: dict[_K, _V], key: _K, value: _V | None) -> None:
+    if value is not None:
+        index[key] = value

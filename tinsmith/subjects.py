@@ -1,0 +1,67 @@
+"""Every NATS subject and JetStream stream name tinsmith uses, and the ids that go into them.
+
+Owns: the names, and the validation of any id before it becomes a subject token. No other module
+writes a subject string literal. Does not own: publishing or consuming (tinsmith/bus.py).
+"""
+
+from __future__ import annotations
+
+import re
+
+from tinsmith.failures import InvalidRequest
+
+# The event log: every state change, on one subject per aggregate.
+EVENTS_STREAM = "TINSMITH_EVENTS"
+EVENTS_ALL = "tinsmith.events.>"
+_EVENTS = "tinsmith.events"
+
+# Results of requests (ForwardBackwardOutput, SampleResponse, small JSON), kept for a while.
+RESULTS_STREAM = "TINSMITH_RESULTS"
+RESULTS_ALL = "tinsmith.results.>"
+
+# Durable consumers of the event log that turn accepted requests into work.
+TRAINER_CONSUMER = "trainer"
+SAMPLER_CONSUMER = "sampler"
+
+# Request-reply services.
+RESOLVE_CHECKPOINT = "tinsmith.rpc.checkpoint.resolve"
+
+AGGREGATES = ("session", "run", "sampler")
+
+# Ids become subject tokens, so they exclude ".", "*", ">" and whitespace. The SDK builds run ids
+# itself as "<session_id>:train:<n>", so ":" is allowed.
+_ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")
+
+
+def check_id(what: str, value: str) -> str:
+    """Return ``value`` when it is safe as a subject token, else raise InvalidRequest."""
+    if not isinstance(value, str) or not _ID.match(value):
+        raise InvalidRequest(
+            f"{what} {value!r} is not a valid id: use 1-200 characters from A-Z, a-z, 0-9, '_', "
+            "'-' and ':'"
+        )
+    return value
+
+
+def event_subject(aggregate: str, aggregate_id: str) -> str:
+    """The subject of one aggregate's events, e.g. ``tinsmith.events.run.<model_id>``."""
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"unknown aggregate {aggregate!r}")
+    return f"{_EVENTS}.{aggregate}.{check_id(aggregate + ' id', aggregate_id)}"
+
+
+def events_of(aggregate: str) -> str:
+    """The wildcard over every event of one aggregate type, e.g. ``tinsmith.events.run.>``."""
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"unknown aggregate {aggregate!r}")
+    return f"{_EVENTS}.{aggregate}.>"
+
+
+def result_subject(request_id: str) -> str:
+    """Where the result of one request is stored in the results stream."""
+    return f"tinsmith.results.{check_id('request id', request_id)}"
+
+
+def ping_subject(service: str) -> str:
+    """Each service answers on this subject once it is ready; the launcher waits for all four."""
+    return f"tinsmith.ping.{check_id('service', service)}"
