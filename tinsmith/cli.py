@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(models.materialize(args.build))
         return 0
     for spec in models.registry().values():
-        print(f"{spec.name}\t{spec.arch}\tvocab {spec.vocab_size}\tcontext {spec.max_context_length}")
+        print(
+            f"{spec.name}\t{spec.arch}\tvocab {spec.vocab_size}\tcontext {spec.max_context_length}"
+        )
     return 0
 
 
@@ -63,8 +65,10 @@ def _up(host: str, port: int, data_dir: Path) -> int:
                 return 0
             exited = system.first_exit()
             if exited:
-                print(f"tinsmith: {exited} exited; stopping (logs in {system.log_dir})",
-                      file=sys.stderr)
+                print(
+                    f"tinsmith: {exited} exited; stopping (logs in {system.log_dir})",
+                    file=sys.stderr,
+                )
                 return 1
     except KeyboardInterrupt:
         return 0

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 from tinsmith import events, jobs, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import Bus
+from tinsmith.failures import InternalError, TinsmithError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,42 @@ class EventLog:
         await self.append(
             events.make(request_failed=failed),
             msg_id=f"done:{request_id}",
+            request_aggregate=request_aggregate,
+        )
+
+    async def settle(
+        self,
+        accepted: bus.RequestAccepted,
+        work: Callable[[], Awaitable[tuple[bytes, str]]],
+        *,
+        request_aggregate: str,
+        worker: str,
+    ) -> None:
+        """Run a request's work and record its outcome: the result, or a failure whose kind
+        says whose fault it was. An unexpected exception is a server fault, logged in full."""
+        started = time.perf_counter()
+        try:
+            body, media_type = await work()
+        except TinsmithError as error:
+            failure = error
+        except Exception as exc:
+            log.exception("request %s failed in the %s", accepted.request_id, worker)
+            failure = InternalError(f"{events.command_of(accepted)} failed in the {worker}: {exc}")
+        else:
+            await self.complete(
+                accepted.request_id,
+                accepted.aggregate_id,
+                body,
+                media_type,
+                request_aggregate=request_aggregate,
+                compute_seconds=time.perf_counter() - started,
+            )
+            return
+        await self.fail(
+            accepted.request_id,
+            accepted.aggregate_id,
+            failure.kind,
+            failure.detail,
             request_aggregate=request_aggregate,
         )
 

@@ -85,7 +85,7 @@ def from_kind(kind: str, detail: str) -> TinsmithError:
 
 
 def http_body(error: TinsmithError) -> dict[str, str]:
-    """The JSON body of an HTTP error response (FastAPI's convention, which the SDK's CLI parses)."""
+    """The JSON body of an HTTP error: FastAPI's convention, which the SDK's CLI parses."""
     return {"detail": error.detail}
 
 

@@ -14,7 +14,6 @@ from typing import TypeVar
 from tinsmith import events
 from tinsmith._proto import bus_pb2 as bus
 
-
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 

@@ -43,9 +43,7 @@ def configure_logging() -> None:
     )
 
 
-def run(
-    name: str, start: Callable[[Bus], Awaitable[Callable[[], Awaitable[None]] | None]]
-) -> None:
+def run(name: str, start: Callable[[Bus], Awaitable[Callable[[], Awaitable[None]] | None]]) -> None:
     """Run service ``name`` until a signal: ``start(bus)`` sets it up and may return a cleanup."""
     configure_logging()
     asyncio.run(_main(name, start))

@@ -7,6 +7,7 @@ the services that use torch. All byte buffers are raw little-endian numpy arrays
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -118,7 +119,7 @@ def unbatch(tensor: tp.BatchedTensor) -> list[npt.NDArray[Any]]:
     offsets = np.frombuffer(tensor.offsets, "<i8")
     trailing = tuple(int(d) for d in tensor.trailing_shape)
     out = []
-    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+    for start, end in itertools.pairwise(offsets):
         flat = np.frombuffer(tensor.data[start:end], dtype)
         out.append(flat.reshape((-1, *trailing)) if trailing else flat)
     return out

@@ -177,7 +177,9 @@ class Gateway:
             )
         )
 
-    def _check_forward_backward(self, run: jobs.RunState, request: tp.ForwardBackwardRequest) -> None:
+    def _check_forward_backward(
+        self, run: jobs.RunState, request: tp.ForwardBackwardRequest
+    ) -> None:
         required = LOSS_INPUTS.get(request.loss_fn)
         if required is None:
             raise InvalidRequest(
@@ -250,7 +252,9 @@ class Gateway:
             )
         )
 
-    def _save_command(self, run: jobs.RunState, body: JsonDict, for_sampler: bool) -> bus.SaveWeights:
+    def _save_command(
+        self, run: jobs.RunState, body: JsonDict, for_sampler: bool
+    ) -> bus.SaveWeights:
         name = wire.opt_str(body, "path")
         command = bus.SaveWeights(
             kind=bus.CHECKPOINT_KIND_SAMPLER if for_sampler else bus.CHECKPOINT_KIND_TRAINING,
@@ -316,7 +320,10 @@ class Gateway:
         sequence_ids = [f"{request_id}:{i}" for i in range(command.num_samples)]
         if request_id not in self.state.requests:
             accepted = bus.RequestAccepted(
-                request_id=request_id, aggregate_id=sampler.sampler_id, seq_id=seq_id, sample=command
+                request_id=request_id,
+                aggregate_id=sampler.sampler_id,
+                seq_id=seq_id,
+                sample=command,
             )
             await self._accept(accepted, aggregate="sampler")
         return {"request_id": request_id, "sample_sequence_ids": sequence_ids}

@@ -113,7 +113,7 @@ def adam_params(value: Any) -> bus.AdamParams:
 
 
 def model_input(value: Any) -> list[int]:
-    """The tokens of a JSON ModelInput ``{"chunks": [{"type": "encoded_text", "tokens": [...]}]}``."""
+    """The tokens of a JSON ModelInput (chunks of type encoded_text)."""
     if not isinstance(value, dict) or not isinstance(value.get("chunks"), list):
         raise InvalidRequest("field 'prompt' must be a ModelInput: {'chunks': [...]}")
     tokens: list[int] = []
@@ -163,7 +163,9 @@ def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
             raise InvalidRequest("stop strings must not be empty")
         params.stop_strs.values.extend(stop)
         params.stop_strs.SetInParent()
-    elif isinstance(stop, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+    elif isinstance(stop, list) and all(
+        isinstance(s, int) and not isinstance(s, bool) for s in stop
+    ):
         check_vocab(np.asarray(stop, np.int64), vocab_size, "stop token ids")
         params.stop_tokens.values.extend(stop)
         params.stop_tokens.SetInParent()  # [] means: no stop at all, not even end-of-sequence

@@ -103,7 +103,9 @@ class SamplerEngine:
             response.prompt_logprobs = _prompt_logprobs(out.logits[0], command).tobytes()  # type: ignore[attr-defined]
 
         seed = params.seed if params.HasField("seed") else random.getrandbits(63)
-        generator = torch.Generator().manual_seed(seed % 2**63)
+        # One generator per sequence, so sequence i of a seeded request is the same whatever
+        # num_samples is.
+        generators = [torch.Generator().manual_seed(_stream_seed(seed, i)) for i in range(n)]
         cache = out.past_key_values  # type: ignore[attr-defined]
         cache.batch_repeat_interleave(n)
         logits = out.logits[:, -1, :].float().expand(n, -1)  # type: ignore[attr-defined]
@@ -114,7 +116,7 @@ class SamplerEngine:
         position = prompt.shape[1]
         for step in range(params.max_tokens):
             raw = torch.log_softmax(logits, dim=-1)
-            chosen = _choose(logits, params, generator)
+            chosen = _choose(logits, params, generators)
             chosen_lp = raw.gather(-1, chosen[:, None])[:, 0]
             for i in range(n):
                 if stopped[i]:
@@ -179,8 +181,12 @@ def _ends_with_stop(tokenizer: Tokenizer, tokens: list[int], stops: list[str]) -
     return any(s in tail and s not in before for s in stops)
 
 
+def _stream_seed(seed: int, index: int) -> int:
+    return (seed + index * 0x9E3779B97F4A7C15) % 2**63
+
+
 def _choose(
-    logits: torch.Tensor, params: tp.SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: tp.SamplingParams, generators: list[torch.Generator]
 ) -> torch.Tensor:
     if params.temperature == 0:
         return logits.argmax(dim=-1)
@@ -196,4 +202,5 @@ def _choose(
         ordered = ordered.masked_fill(drop, -math.inf)
         scaled = torch.full_like(scaled, -math.inf).scatter(-1, order, ordered)
     probs = torch.softmax(scaled, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    picks = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
+    return torch.cat(picks)

@@ -7,9 +7,7 @@ sampling math (engine.py).
 
 from __future__ import annotations
 
-import logging
 import tempfile
-import time
 from pathlib import Path
 
 from tinsmith import events, subjects
@@ -18,12 +16,10 @@ from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus, Delivery
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import PROTOBUF, EventLog
-from tinsmith.failures import InternalError, NotFound, TinsmithError
+from tinsmith.failures import NotFound
 
 from .config import SamplerConfig
 from .engine import SamplerEngine
-
-log = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -53,30 +49,13 @@ class Sampler:
             await delivery.ack()
 
     async def _execute(self, accepted: bus.RequestAccepted) -> None:
-        started = time.perf_counter()
-        try:
+        async def work() -> tuple[bytes, str]:
             command = accepted.sample
             if command.adapter_key:
                 await self._ensure_adapter(command.base_model, command.adapter_key)
-            result = await self.compute.run(self.engine.sample, command)
-        except TinsmithError as error:
-            await self.log.fail(
-                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
-                request_aggregate="sampler",
-            )
-            return
-        except Exception as exc:
-            log.exception("sample request %s failed", accepted.request_id)
-            error = InternalError(f"sampling failed inside the sampler: {exc}")
-            await self.log.fail(
-                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
-                request_aggregate="sampler",
-            )
-            return
-        await self.log.complete(
-            accepted.request_id, accepted.aggregate_id, result, PROTOBUF,
-            request_aggregate="sampler", compute_seconds=time.perf_counter() - started,
-        )
+            return await self.compute.run(self.engine.sample, command), PROTOBUF
+
+        await self.log.settle(accepted, work, request_aggregate="sampler", worker="sampler")
 
     async def _ensure_adapter(self, base_model: str, key: str) -> None:
         if await self.compute.run(self.engine.has_adapter, base_model, key):

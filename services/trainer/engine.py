@@ -76,9 +76,7 @@ class TrainerEngine:
             torch.manual_seed(seed % 2**63)
             peft_model = self._with_adapter(command.base_model, adapter, config)
         params = {
-            name: param
-            for name, param in peft_model.named_parameters()
-            if f".{adapter}." in name
+            name: param for name, param in peft_model.named_parameters() if f".{adapter}." in name
         }
         for param in params.values():
             param.requires_grad_(True)
@@ -119,7 +117,7 @@ class TrainerEngine:
     def forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
         """Run the whole batch in one padded forward pass; accumulate gradients unless
         ``forward_only``. Returns a serialized ``ForwardBackwardOutput``."""
-        run, model = self._activate(model_id)
+        _run, model = self._activate(model_id)
         inputs = [model_input_tokens(d.model_input) for d in request.data]
         lengths = [len(t) for t in inputs]
         width = max(lengths)
@@ -178,7 +176,9 @@ class TrainerEngine:
         before = [p.detach().clone() for p in params]
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        update = math.sqrt(sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before, strict=True)))
+        update = math.sqrt(
+            sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before, strict=True))
+        )
         return {
             "grad_norm:mean": grad_norm,
             "learning_rate:mean": adam.learning_rate,
@@ -193,8 +193,10 @@ class TrainerEngine:
         run, model = self._activate(model_id)
         directory.mkdir(parents=True, exist_ok=True)
         state = get_peft_model_state_dict(model, adapter_name=run.adapter)
-        save_file({k: v.detach().contiguous() for k, v in state.items()},
-                  str(directory / artifacts.ADAPTER_WEIGHTS))
+        save_file(
+            {k: v.detach().contiguous() for k, v in state.items()},
+            str(directory / artifacts.ADAPTER_WEIGHTS),
+        )
         config = model.peft_config[run.adapter]
         config.base_model_name_or_path = run.base_model
         config.save_pretrained(str(directory))

@@ -10,9 +10,7 @@ checkpoints. Does not own: the torch math (engine.py).
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,11 +20,9 @@ from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus, Delivery
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog
-from tinsmith.failures import InternalError, TinsmithError, Unavailable
+from tinsmith.failures import Unavailable
 
 from .engine import TrainerEngine
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,33 +101,18 @@ class Trainer:
                 "restarted); create the run again or load it from a checkpoint"
             )
             await self.log.fail(
-                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
+                accepted.request_id,
+                accepted.aggregate_id,
+                error.kind,
+                error.detail,
                 request_aggregate="run",
             )
         await delivery.ack()
 
     async def _execute(self, accepted: bus.RequestAccepted) -> None:
-        command = events.command_of(accepted)
-        started = time.perf_counter()
-        try:
-            body, media_type = await getattr(self, f"_{command}")(accepted)
-        except TinsmithError as error:
-            await self.log.fail(
-                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
-                request_aggregate="run",
-            )
-            return
-        except Exception as exc:
-            log.exception("request %s (%s) failed", accepted.request_id, command)
-            error = InternalError(f"{command} failed inside the trainer: {exc}")
-            await self.log.fail(
-                accepted.request_id, accepted.aggregate_id, error.kind, error.detail,
-                request_aggregate="run",
-            )
-            return
-        await self.log.complete(
-            accepted.request_id, accepted.aggregate_id, body, media_type,
-            request_aggregate="run", compute_seconds=time.perf_counter() - started,
+        handler = getattr(self, f"_{events.command_of(accepted)}")
+        await self.log.settle(
+            accepted, lambda: handler(accepted), request_aggregate="run", worker="trainer"
         )
 
     # -- commands ------------------------------------------------------------------------------
@@ -203,7 +184,9 @@ class Trainer:
             adapter_key=key,
         )
         await self.log.append(events.make(sampler_created=sampler), request_aggregate="sampler")
-        return _json({"type": "save_weights_for_sampler", "sampling_session_id": command.sampler_id})
+        return _json(
+            {"type": "save_weights_for_sampler", "sampling_session_id": command.sampler_id}
+        )
 
 
 def _json(value: object) -> tuple[bytes, str]:

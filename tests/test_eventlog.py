@@ -1,0 +1,66 @@
+"""The event log on a real nats-server: durable appends, de-duplication, results, projections."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tinsmith import events
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith.bus import Bus
+from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
+
+
+@pytest.fixture
+async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
+    connection = await Bus.connect(nats_url, name="test")
+    for stream in ("TINSMITH_EVENTS", "TINSMITH_RESULTS"):
+        with contextlib.suppress(Exception):
+            await connection.js.delete_stream(stream)
+    await connection.ensure_streams(results_max_age_s=60)
+    yield EventLog(connection)
+    await connection.close()
+
+
+def _session(session_id: str) -> bus.Event:
+    return events.make(session_created=bus.SessionCreated(session_id=session_id))
+
+
+async def test_an_append_with_the_same_message_id_is_stored_once(eventlog: EventLog) -> None:
+    first, duplicate = await eventlog.append(_session("a"), msg_id="m1")
+    again, repeated = await eventlog.append(_session("a"), msg_id="m1")
+    assert (duplicate, repeated) == (False, True)
+    assert again == first
+
+
+async def test_results_keep_their_bytes_and_media_type(eventlog: EventLog) -> None:
+    seq = await eventlog.put_result("S:train:0:1", b"\x00\x01proto", PROTOBUF)
+    assert await eventlog.get_result(seq) == (b"\x00\x01proto", PROTOBUF)
+    seq = await eventlog.put_result("S:train:0:2", b'{"a": 1}', JSON)
+    assert await eventlog.get_result(seq) == (b'{"a": 1}', JSON)
+
+
+async def test_a_new_projection_replays_the_log_and_then_follows_it(eventlog: EventLog) -> None:
+    await eventlog.append(_session("before"))
+    projection = FollowedProjection(eventlog)
+    await projection.start()
+    assert "before" in projection.state.sessions
+    seq, _ = await eventlog.append(_session("after"))
+    assert await projection.wait_for(seq, timeout=5)
+    assert "after" in projection.state.sessions
+    assert projection.state.position == seq
+
+
+async def test_a_completion_points_at_its_result(eventlog: EventLog) -> None:
+    projection = FollowedProjection(eventlog)
+    await projection.start()
+    accepted = bus.RequestAccepted(
+        request_id="S:train:0:1", aggregate_id="S:train:0", seq_id=1, optim_step=bus.OptimStep()
+    )
+    await eventlog.append(events.make(request_accepted=accepted))
+    await eventlog.complete("S:train:0:1", "S:train:0", b"{}", JSON, request_aggregate="run")
+    await projection.catch_up()
+    request = projection.state.requests["S:train:0:1"]
+    assert await eventlog.get_result(request.result_seq) == (b"{}", JSON)

@@ -1,0 +1,100 @@
+"""State is a fold over events: replaying a log gives each aggregate's state."""
+
+from __future__ import annotations
+
+from tinsmith import events, jobs
+from tinsmith._proto import bus_pb2 as bus
+
+RUN = "S:train:0"
+
+
+def _accepted(seq: int, **command: object) -> bus.Event:
+    return events.make(
+        request_accepted=bus.RequestAccepted(
+            request_id=events.request_id(RUN, seq), aggregate_id=RUN, seq_id=seq, **command
+        )
+    )
+
+
+def _replay(log: list[bus.Event]) -> jobs.Projection:
+    projection = jobs.Projection()
+    for seq, event in enumerate(log, start=1):
+        projection.apply(seq, event)
+    return projection
+
+
+LOG = [
+    events.make(session_created=bus.SessionCreated(session_id="S", tags=["a"])),
+    _accepted(
+        0,
+        create_model=bus.CreateModel(
+            session_id="S", base_model="tinsmith/tiny", lora=bus.LoraConfig(rank=8, train_mlp=True)
+        ),
+    ),
+    events.make(run_created=bus.RunCreated(model_id=RUN, tokenizer_id="/tok")),
+    events.make(
+        request_completed=bus.RequestCompleted(
+            request_id=f"{RUN}:0", aggregate_id=RUN, result_seq=5, media_type="application/json"
+        )
+    ),
+    _accepted(1, optim_step=bus.OptimStep()),
+    events.make(
+        request_failed=bus.RequestFailed(
+            request_id=f"{RUN}:1", aggregate_id=RUN, kind="invalid_request", detail="bad"
+        )
+    ),
+    _accepted(2, optim_step=bus.OptimStep()),
+    events.make(
+        sampler_created=bus.SamplerCreated(
+            sampler_id="S:sample:0", session_id="S", base_model="tinsmith/tiny", adapter_key="k"
+        )
+    ),
+]
+
+
+def test_replaying_the_log_rebuilds_every_aggregate() -> None:
+    state = _replay(LOG)
+    run = state.runs[RUN]
+    assert (run.base_model, run.lora_rank, run.ready, run.tokenizer_id) == (
+        "tinsmith/tiny",
+        8,
+        True,
+        "/tok",
+    )
+    assert run.last_seq_id == 2
+    assert state.sessions["S"].run_ids == (RUN,)
+    assert state.sessions["S"].sampler_ids == ("S:sample:0",)
+    assert state.samplers["S:sample:0"].adapter_key == "k"
+    assert state.requests[f"{RUN}:0"].status is jobs.Status.COMPLETED
+    assert state.requests[f"{RUN}:0"].result_seq == 5
+    assert state.requests[f"{RUN}:1"].status is jobs.Status.FAILED
+    assert state.requests[f"{RUN}:1"].error_detail == "bad"
+    assert state.requests[f"{RUN}:2"].status is jobs.Status.PENDING
+
+
+def test_the_first_outcome_of_a_request_wins() -> None:
+    """A redelivered worker may complete a request twice; the first outcome stands."""
+    state = _replay(
+        [
+            *LOG,
+            events.make(
+                request_completed=bus.RequestCompleted(
+                    request_id=f"{RUN}:1", aggregate_id=RUN, result_seq=99
+                )
+            ),
+        ]
+    )
+    assert state.requests[f"{RUN}:1"].status is jobs.Status.FAILED
+
+
+def test_events_at_or_below_the_position_are_not_applied_twice() -> None:
+    state = _replay(LOG)
+    state.apply(2, LOG[1])  # a redelivery of an old position
+    assert state.sessions["S"].run_ids == (RUN,)
+
+
+def test_a_fold_is_pure() -> None:
+    before = jobs.evolve_request(None, LOG[4])
+    after = jobs.evolve_request(before, LOG[5])
+    assert before is not None and before.status is jobs.Status.PENDING
+    assert after is not None and after.status is jobs.Status.FAILED

@@ -1,0 +1,49 @@
+"""Subjects, ids and tinker:// paths: what becomes a subject token or a storage key is checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinsmith import artifacts, subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith.failures import InvalidRequest
+
+
+def test_event_subjects_per_aggregate() -> None:
+    assert subjects.event_subject("run", "S:train:0") == "tinsmith.events.run.S:train:0"
+    assert subjects.events_of("sampler") == "tinsmith.events.sampler.>"
+    assert subjects.result_subject("S:train:0:4") == "tinsmith.results.S:train:0:4"
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x" * 201])
+def test_ids_that_would_break_a_subject_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidRequest, match="not a valid id"):
+        subjects.event_subject("run", bad)
+
+
+def test_unknown_aggregates_are_a_programming_error() -> None:
+    with pytest.raises(ValueError):
+        subjects.event_subject("nope", "x")
+
+
+def test_tinker_paths_round_trip_to_keys() -> None:
+    path = artifacts.parse("tinker://S:train:0/sampler_weights/step-3")
+    assert path.kind == bus.CHECKPOINT_KIND_SAMPLER
+    assert str(path) == "tinker://S:train:0/sampler_weights/step-3"
+    assert path.key == "runs/S:train:0/sampler_weights/step-3"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "http://x/weights/a",
+        "tinker://S/weights",
+        "tinker://S/other/a",
+        "tinker://S/weights/..",
+        "tinker://S/weights/a/b",
+        "tinker://a.b/weights/c",
+    ],
+)
+def test_malformed_tinker_paths_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidRequest):
+        artifacts.parse(bad)
