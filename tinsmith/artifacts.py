@@ -33,7 +33,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 @dataclass(frozen=True)
 class TinkerPath:
     model_id: str
-    kind: int  # bus.CheckpointKind
+    kind: bus.CheckpointKind
     name: str
 
     def __str__(self) -> str:

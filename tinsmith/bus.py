@@ -105,7 +105,7 @@ class Bus:
 
     async def publish(self, subject: str, payload: bytes, msg_id: str | None = None) -> api.PubAck:
         """Append to a stream and wait until it is durable. ``msg_id`` de-duplicates retries."""
-        headers = {api.Header.MSG_ID: msg_id} if msg_id else None
+        headers = {api.Header.MSG_ID.value: msg_id} if msg_id else None
         return await self.js.publish(subject, payload, headers=headers)
 
     async def get(self, stream: str, seq: int) -> bytes:

@@ -37,7 +37,7 @@ def kind_of(event: bus.Event) -> str:
     kind = event.WhichOneof("kind")
     if kind is None:
         raise ValueError("event has no kind")
-    return kind
+    return str(kind)
 
 
 def aggregate_of(event: bus.Event, *, request_aggregate: str = "run") -> tuple[str, str]:
@@ -61,7 +61,7 @@ def command_of(accepted: bus.RequestAccepted) -> str:
     command = accepted.WhichOneof("command")
     if command is None:
         raise ValueError(f"request {accepted.request_id} carries no command")
-    return command
+    return str(command)
 
 
 def encode(event: bus.Event) -> bytes:

@@ -27,7 +27,7 @@ _WIRE = {
     np.dtype("<i8"): tp.DTYPE_INT64,
     np.dtype("<i4"): tp.DTYPE_INT32,
 }
-_JSON_DTYPES = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+_JSON_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
 
 
 def tokens_from_bytes(data: bytes) -> npt.NDArray[np.int32]:
@@ -87,14 +87,15 @@ def tensor_from_json(data: Mapping[str, Any], what: str) -> npt.NDArray[Any]:
     if dtype is None:
         raise InvalidRequest(f"{what}.dtype must be 'float32' or 'int64'")
     values = np.asarray(data.get("data", []), dtype=dtype)
-    shape = tuple(data.get("shape") or (len(values),))
+    shape = tuple(int(d) for d in data.get("shape") or (len(values),))
     if "sparse_crow_indices" in data:
         crow = np.asarray(data["sparse_crow_indices"], np.int64)
         cols = np.asarray(data.get("sparse_col_indices", []), np.int64)
-        dense = np.zeros(shape, dtype)
+        dense: npt.NDArray[Any] = np.zeros(shape, dtype)
         dense[np.repeat(np.arange(shape[0]), np.diff(crow)), cols] = values
         return dense
-    return values.reshape(shape)
+    reshaped: npt.NDArray[Any] = values.reshape(shape)
+    return reshaped
 
 
 def batched(arrays: Sequence[npt.NDArray[Any]]) -> tp.BatchedTensor:

@@ -50,7 +50,7 @@ class SamplerEngine:
             directory = models.materialize(name, self.cache_dir)
             model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
             model.requires_grad_(False)
-            model.eval()
+            model.eval()  # type: ignore[no-untyped-call]
             config = json.loads((directory / "config.json").read_text())
             eos = config.get("eos_token_id")
             eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])

@@ -94,7 +94,7 @@ class TrainerEngine:
                 directory, dtype=torch.float32
             )
             base.requires_grad_(False)
-            base.eval()
+            base.eval()  # type: ignore[no-untyped-call]
             peft_model = get_peft_model(base, config, adapter_name=adapter)
             self.bases[base_model] = peft_model
             self.model_dirs[base_model] = directory
@@ -107,7 +107,7 @@ class TrainerEngine:
         if run is None:
             raise NotFound(f"training run {model_id!r} is not loaded on this trainer")
         model = self.bases[run.base_model]
-        model.base_model.set_adapter(run.adapter)
+        model.base_model.set_adapter(run.adapter)  # type: ignore[operator]
         for param in run.params.values():  # set_adapter freezes the others; keep ours trainable
             param.requires_grad_(True)
         return run, model
@@ -146,7 +146,7 @@ class TrainerEngine:
             elementwise = -weights * logprobs
             loss = elementwise.sum()
             if grad:
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
         out = tp.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
         record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(inputs))
         lp = logprobs.detach().numpy()
