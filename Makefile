@@ -1,5 +1,5 @@
 # tinsmith: `make demo` runs the main job end to end, `make test` runs the tests.
-PY ?= python3.11
+PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
