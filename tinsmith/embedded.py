@@ -91,7 +91,7 @@ class System:
             "TOKENIZERS_PARALLELISM": "false",
         }
         for name in SERVICES:
-            self._spawn(name, [sys.executable, "-m", f"services.{name}"], env)
+            self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], env)
         await self._wait_ready(timeout_s)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:

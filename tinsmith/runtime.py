@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 # Results (forward_backward outputs, samples) are kept this long for the SDK to fetch.
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
+SHUTDOWN_TIMEOUT_S = 5.0
 
 
 def nats_url() -> str:
@@ -67,6 +68,11 @@ async def _main(
     log.info("%s ready", name)
     await stop.wait()
     log.info("%s stopping", name)
-    if cleanup is not None:
-        await cleanup()
-    await bus.close()
+    # Bounded: when NATS itself is gone (it may be stopping too), draining would wait forever.
+    try:
+        async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+            if cleanup is not None:
+                await cleanup()
+            await bus.close()
+    except TimeoutError:
+        log.warning("%s: shutdown took over %.0f s; exiting anyway", name, SHUTDOWN_TIMEOUT_S)
