@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from tinsmith import artifacts, events, jobs, models, subjects
@@ -160,22 +161,12 @@ class Gateway:
         run = self._run(request.model_id)
         if request.seq_id < 1:
             raise InvalidRequest(f"seq_id must be >= 1 for forward_backward, got {request.seq_id}")
-        future = self._existing(run.model_id, request.seq_id)
-        if future:
-            return future
-        try:
+
+        def command() -> dict[str, Any]:
             self._check_forward_backward(run, request)
-        except TinsmithError as error:
-            await self._reject(run.model_id, request.seq_id, error)
-            raise
-        return await self._accept(
-            bus.RequestAccepted(
-                request_id=events.request_id(run.model_id, request.seq_id),
-                aggregate_id=run.model_id,
-                seq_id=request.seq_id,
-                forward_backward=request,
-            )
-        )
+            return {"forward_backward": request}
+
+        return await self._submit(run, request.seq_id, command)
 
     def _check_forward_backward(
         self, run: jobs.RunState, request: tp.ForwardBackwardRequest
@@ -215,41 +206,17 @@ class Gateway:
     async def optim_step(self, body: JsonDict) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))
         seq_id = wire.req_int(body, "seq_id", minimum=1)
-        future = self._existing(run.model_id, seq_id)
-        if future:
-            return future
-        try:
-            adam = wire.adam_params(body.get("adam_params"))
-        except TinsmithError as error:
-            await self._reject(run.model_id, seq_id, error)
-            raise
-        return await self._accept(
-            bus.RequestAccepted(
-                request_id=events.request_id(run.model_id, seq_id),
-                aggregate_id=run.model_id,
-                seq_id=seq_id,
-                optim_step=bus.OptimStep(adam=adam),
-            )
+        return await self._submit(
+            run,
+            seq_id,
+            lambda: {"optim_step": bus.OptimStep(adam=wire.adam_params(body.get("adam_params")))},
         )
 
     async def save_weights(self, body: JsonDict, *, for_sampler: bool) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))
         seq_id = wire.req_int(body, "seq_id", minimum=1)
-        future = self._existing(run.model_id, seq_id)
-        if future:
-            return future
-        try:
-            command = self._save_command(run, body, for_sampler)
-        except TinsmithError as error:
-            await self._reject(run.model_id, seq_id, error)
-            raise
-        return await self._accept(
-            bus.RequestAccepted(
-                request_id=events.request_id(run.model_id, seq_id),
-                aggregate_id=run.model_id,
-                seq_id=seq_id,
-                save_weights=command,
-            )
+        return await self._submit(
+            run, seq_id, lambda: {"save_weights": self._save_command(run, body, for_sampler)}
         )
 
     def _save_command(
@@ -409,6 +376,28 @@ class Gateway:
         if request_id in self.state.requests:
             return {"request_id": request_id, "model_id": aggregate_id}
         return None
+
+    async def _submit(
+        self, run: jobs.RunState, seq_id: int, command: Callable[[], dict[str, Any]]
+    ) -> JsonDict:
+        """Accept one of a run's requests. A repeated seq_id gets the first future; otherwise
+        ``command()`` validates and builds the command, and a refusal still spends the seq_id."""
+        future = self._existing(run.model_id, seq_id)
+        if future:
+            return future
+        try:
+            fields = command()
+        except TinsmithError as error:
+            await self._reject(run.model_id, seq_id, error)
+            raise
+        return await self._accept(
+            bus.RequestAccepted(
+                request_id=events.request_id(run.model_id, seq_id),
+                aggregate_id=run.model_id,
+                seq_id=seq_id,
+                **fields,
+            )
+        )
 
     async def _append(self, event: bus.Event, *, aggregate: str) -> None:
         seq, _ = await self.log.append(event, request_aggregate=aggregate)
