@@ -68,6 +68,11 @@ def parse(path: str) -> TinkerPath:
     return TinkerPath(model_id=model_id, kind=KINDS[parts[1]], name=check_name(parts[2]))
 
 
+def snapshot_key(model_id: str, next_seq_id: int) -> str:
+    """The key of the snapshot the trainer takes before it lets go of an idle run."""
+    return f"runs/{subjects.check_id('run id', model_id)}/snapshots/{next_seq_id:08d}"
+
+
 def ephemeral_sampler_key(model_id: str, sampler_id: str) -> str:
     """The key of the unnamed snapshot behind ``save_weights_and_get_sampling_client``."""
     return f"runs/{model_id}/ephemeral/{subjects.check_id('sampler id', sampler_id)}"

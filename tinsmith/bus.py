@@ -192,6 +192,18 @@ class Bus:
 
         await self.nc.subscribe(subject, queue=subject, cb=on_msg)
 
+    async def notify(self, subject: str, payload: bytes) -> None:
+        """Fire-and-forget on core NATS: for signals whose loss is harmless (heartbeats)."""
+        await self.nc.publish(subject, payload)
+
+    async def listen(self, subject: str, handler: Callable[[bytes], Awaitable[None]]) -> None:
+        """Receive every ``notify`` on ``subject`` (each replica gets each message)."""
+
+        async def on_msg(msg: Msg) -> None:
+            await handler(msg.data)
+
+        await self.nc.subscribe(subject, cb=on_msg)
+
     async def request(self, subject: str, payload: bytes, timeout: float = 10.0) -> bytes:
         msg = await self.nc.request(subject, payload, timeout=timeout)
         return msg.data

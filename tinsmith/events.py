@@ -21,6 +21,8 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "session_finished": ("session", "session_id"),
     "run_created": ("run", "model_id"),
     "weights_saved": ("run", "model_id"),
+    "run_unloaded": ("run", "model_id"),
+    "run_restored": ("run", "model_id"),
     "sampler_created": ("sampler", "sampler_id"),
 }
 _REQUEST_EVENTS = ("request_accepted", "request_rejected", "request_completed", "request_failed")

@@ -60,6 +60,8 @@ class RunState:
     ready: bool = False
     tokenizer_id: str = ""
     last_seq_id: int = 0
+    # Set while the trainer has let go of the run: where its state is, and what runs next.
+    snapshot: bus.RunUnloaded | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,10 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
             return replace(state, last_seq_id=max(state.last_seq_id, accepted.seq_id))
     if state is not None and kind == "run_created":
         return replace(state, ready=True, tokenizer_id=event.run_created.tokenizer_id)
+    if state is not None and kind == "run_unloaded":
+        return replace(state, snapshot=event.run_unloaded)
+    if state is not None and kind == "run_restored":
+        return replace(state, snapshot=None)
     return state
 
 

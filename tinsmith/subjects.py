@@ -23,6 +23,10 @@ RESULTS_ALL = "tinsmith.results.>"
 TRAINER_CONSUMER = "trainer"
 SAMPLER_CONSUMER = "sampler"
 
+# Liveness of sessions (core NATS, not stored): the gateway publishes a session id each time the
+# SDK heart-beats; the trainer lets go of the runs of sessions that fall silent.
+SESSION_HEARTBEATS = "tinsmith.heartbeats.session"
+
 # Request-reply services.
 RESOLVE_CHECKPOINT = "tinsmith.rpc.checkpoint.resolve"
 

@@ -10,7 +10,6 @@ The gateway holds no state that the log cannot rebuild, so any number of replica
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,6 @@ class Gateway:
         self.config = config
         self.log = eventlog
         self.projection = FollowedProjection(eventlog)
-        self.heartbeats: dict[str, float] = {}
 
     @property
     def state(self) -> jobs.Projection:
@@ -84,12 +82,11 @@ class Gateway:
             sdk_version=wire.opt_str(body, "sdk_version") or "",
         )
         await self._append(events.make(session_created=created), aggregate="session")
-        self.heartbeats[session_id] = time.monotonic()
         return {"type": "create_session", "session_id": session_id}
 
-    def heartbeat(self, body: JsonDict) -> JsonDict:
+    async def heartbeat(self, body: JsonDict) -> JsonDict:
         session = self._session(wire.req_str(body, "session_id"))
-        self.heartbeats[session.session_id] = time.monotonic()
+        await self.log.bus.notify(subjects.SESSION_HEARTBEATS, session.session_id.encode())
         return {"type": "session_heartbeat"}
 
     async def finish_session(self, session_id: str, body: JsonDict) -> JsonDict:
@@ -132,6 +129,75 @@ class Gateway:
         )
         await self._accept(accepted)
         return {"request_id": request_id, "model_id": model_id}
+
+    async def load_weights(self, body: JsonDict) -> JsonDict:
+        """Two forms: create a run from a checkpoint (``session_id`` + ``model_seq_id``, sent by
+        ``create_training_client_from_state*``), or load one into a run (``model_id`` +
+        ``seq_id``, sent by the deprecated ``TrainingClient.load_state*``)."""
+        path = wire.req_str(body, "path")
+        with_optimizer = bool(body.get("optimizer", False))
+        if body.get("model_id"):
+            run = self._run(wire.req_str(body, "model_id"))
+            seq_id = wire.req_int(body, "seq_id", minimum=1)
+            future = self._existing(run.model_id, seq_id)
+            if future:
+                return future
+            try:
+                checkpoint = await self._loadable(path, with_optimizer, run.base_model)
+                if checkpoint.lora_rank != run.lora_rank:
+                    raise InvalidRequest(
+                        f"{path} has LoRA rank {checkpoint.lora_rank}, the run has rank "
+                        f"{run.lora_rank}; create a new client from it instead"
+                    )
+            except TinsmithError as error:
+                await self._reject(run.model_id, seq_id, error)
+                raise
+            load = bus.LoadWeights(
+                path=path, blob_key=checkpoint.blob_key, optimizer=with_optimizer
+            )
+            return await self._submit(run, seq_id, lambda: {"load_weights": load})
+        session = self._session(wire.req_str(body, "session_id"))
+        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0)
+        model_id = subjects.check_id("model_id", f"{session.session_id}:train:{model_seq_id}")
+        request_id = events.request_id(model_id, 0)
+        if request_id in self.state.requests:
+            return {"request_id": request_id, "model_id": model_id}
+        base_model = wire.opt_str(body, "base_model")
+        checkpoint = await self._loadable(path, with_optimizer, base_model)
+        lora = bus.LoraConfig()
+        if checkpoint.HasField("lora"):
+            lora.CopyFrom(checkpoint.lora)
+        else:
+            lora.MergeFrom(bus.LoraConfig(train_mlp=True, train_attn=True, train_unembed=True))
+        lora.rank = checkpoint.lora_rank
+        command = bus.CreateModel(
+            session_id=session.session_id,
+            base_model=checkpoint.base_model,
+            lora=lora,
+            optimizer="adamw",
+            user_metadata=wire.str_map(body, "user_metadata") or dict(checkpoint.user_metadata),
+            load_key=checkpoint.blob_key,
+            load_optimizer=with_optimizer,
+            load_path=path,
+        )
+        accepted = bus.RequestAccepted(
+            request_id=request_id, aggregate_id=model_id, seq_id=0, create_model=command
+        )
+        await self._accept(accepted)
+        return {"request_id": request_id, "model_id": model_id}
+
+    async def _loadable(
+        self, path: str, with_optimizer: bool, base_model: str | None
+    ) -> bus.WeightsSaved:
+        checkpoint = await self._resolve(path)
+        if with_optimizer and checkpoint.kind != bus.CHECKPOINT_KIND_TRAINING:
+            raise InvalidRequest(
+                f"{path} holds sampler weights only; loading with the optimizer needs a "
+                "training checkpoint (tinker://<run>/weights/<name>, from save_state)"
+            )
+        if base_model and models.get(base_model).name != checkpoint.base_model:
+            raise InvalidRequest(f"{path} was trained on {checkpoint.base_model}, not {base_model}")
+        return checkpoint
 
     def get_info(self, body: JsonDict) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))

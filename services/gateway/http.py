@@ -78,6 +78,7 @@ def build_app(gateway: Gateway) -> web.Application:
     post("/create_model", gateway.create_model)
     post("/get_info", gateway.get_info)
     post("/optim_step", gateway.optim_step)
+    post("/load_weights", gateway.load_weights)
     post("/save_weights", lambda body: gateway.save_weights(body, for_sampler=False))
     post("/save_weights_for_sampler", lambda body: gateway.save_weights(body, for_sampler=True))
     post("/create_sampling_session", gateway.create_sampling_session)

@@ -13,10 +13,14 @@ from tinsmith import models
 class TrainerConfig:
     blob_url: str
     cache_dir: Path
+    # A run whose session has not heart-beaten (the SDK beats every 10 s) for this long is
+    # snapshotted to the object store and unloaded; its next request restores it.
+    idle_unload_s: float = 120.0
 
     @classmethod
     def from_env(cls) -> TrainerConfig:
         return cls(
             blob_url=os.environ.get("TINSMITH_BLOB_URL", f"file://{Path.cwd() / 'blobs'}"),
             cache_dir=Path(os.environ.get("TINSMITH_CACHE_DIR", str(models.default_cache_dir()))),
+            idle_unload_s=float(os.environ.get("TINSMITH_IDLE_UNLOAD_S", cls.idle_unload_s)),
         )

@@ -16,8 +16,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import save_file
+from peft import (
+    LoraConfig,
+    PeftModel,
+    get_peft_model,
+    get_peft_model_state_dict,
+    set_peft_model_state_dict,
+)
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tinsmith import artifacts, models
@@ -53,8 +59,11 @@ class TrainerEngine:
 
     # -- runs ----------------------------------------------------------------------------------
 
-    def create_run(self, model_id: str, command: bus.CreateModel) -> str:
-        """Create the run's adapter and optimizer; return the tokenizer id for get_info."""
+    def create_run(
+        self, model_id: str, command: bus.CreateModel, checkpoint: Path | None = None
+    ) -> str:
+        """Create the run's adapter and optimizer, from ``checkpoint`` when given (with its
+        optimizer state if ``command.load_optimizer``); return the tokenizer id for get_info."""
         if model_id in self.runs:
             return str(self.model_dirs[command.base_model])
         lora = command.lora
@@ -84,7 +93,45 @@ class TrainerEngine:
         self.runs[model_id] = Run(
             model_id, command.base_model, adapter, lora.rank, params, optimizer
         )
+        if checkpoint is not None:
+            self.load(model_id, checkpoint, with_optimizer=command.load_optimizer)
         return str(self.model_dirs[command.base_model])
+
+    def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> None:
+        """Replace the run's adapter weights with a checkpoint's; restore its optimizer state
+        too, or start a fresh optimizer."""
+        run, model = self._activate(model_id)
+        config = json.loads((directory / artifacts.ADAPTER_CONFIG).read_text())
+        if int(config.get("r", 0)) != run.rank:
+            raise InvalidRequest(
+                f"the checkpoint has LoRA rank {config.get('r')}, the run has rank {run.rank}"
+            )
+        state = load_file(str(directory / artifacts.ADAPTER_WEIGHTS))
+        result: Any = set_peft_model_state_dict(model, state, adapter_name=run.adapter)
+        missing = [k for k in result.missing_keys if f".{run.adapter}." in k]
+        if missing or result.unexpected_keys:
+            raise InvalidRequest(
+                "the checkpoint's adapter does not fit this run (different target modules?): "
+                f"{len(missing)} missing and {len(result.unexpected_keys)} unexpected tensors"
+            )
+        run.optimizer = torch.optim.AdamW(list(run.params.values()), lr=1e-4)
+        if with_optimizer:
+            saved = directory / artifacts.OPTIMIZER_STATE
+            if not saved.exists():
+                raise InvalidRequest(
+                    "the checkpoint has no optimizer state (a sampler checkpoint?)"
+                )
+            tensors = load_file(str(saved))
+            for name, param in run.params.items():
+                prefix = _neutral(name, run.adapter) + "."
+                entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+                if entry:
+                    run.optimizer.state[param] = entry
+
+    def unload(self, model_id: str) -> None:
+        """Drop the run's adapter and optimizer from memory (after it was snapshotted)."""
+        run = self.runs.pop(model_id)
+        self.bases[run.base_model].base_model.delete_adapter(run.adapter)  # type: ignore[operator]
 
     def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
         peft_model = self.bases.get(base_model)
@@ -192,7 +239,11 @@ class TrainerEngine:
         for a training checkpoint) into ``directory``."""
         run, model = self._activate(model_id)
         directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(model, adapter_name=run.adapter)
+        # Adapter tensors only: by default PEFT adds the whole base lm_head when it is a LoRA
+        # target, which bloats every checkpoint and would overwrite the shared base on load.
+        state = get_peft_model_state_dict(
+            model, adapter_name=run.adapter, save_embedding_layers=False
+        )
         save_file(
             {k: v.detach().contiguous() for k, v in state.items()},
             str(directory / artifacts.ADAPTER_WEIGHTS),
@@ -208,13 +259,19 @@ class TrainerEngine:
 
 
 def _optimizer_tensors(run: Run) -> dict[str, torch.Tensor]:
+    """AdamW's per-parameter state, keyed by adapter-neutral parameter names (as PEFT keys its
+    weights), so any run with the same LoRA layout can load it."""
     tensors: dict[str, torch.Tensor] = {}
     for name, param in run.params.items():
         state = run.optimizer.state.get(param, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{name}.{key}"] = value.detach().contiguous().reshape(value.shape)
+                tensors[f"{_neutral(name, run.adapter)}.{key}"] = value.detach().contiguous()
     return tensors
+
+
+def _neutral(name: str, adapter: str) -> str:
+    return name.replace(f".{adapter}.", ".")
 
 
 def _adapter_name(model_id: str) -> str:

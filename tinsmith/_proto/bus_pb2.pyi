@@ -32,7 +32,7 @@ class LoraConfig(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., seed: _Optional[int] = ..., train_mlp: _Optional[bool] = ..., train_attn: _Optional[bool] = ..., train_unembed: _Optional[bool] = ...) -> None: ...
 
 class CreateModel(_message.Message):
-    __slots__ = ("session_id", "base_model", "lora", "optimizer", "user_metadata")
+    __slots__ = ("session_id", "base_model", "lora", "optimizer", "user_metadata", "load_key", "load_optimizer", "load_path")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,12 +45,28 @@ class CreateModel(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LOAD_KEY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_PATH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     base_model: str
     lora: LoraConfig
     optimizer: str
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., optimizer: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    load_key: str
+    load_optimizer: bool
+    load_path: str
+    def __init__(self, session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., optimizer: _Optional[str] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., load_key: _Optional[str] = ..., load_optimizer: _Optional[bool] = ..., load_path: _Optional[str] = ...) -> None: ...
+
+class LoadWeights(_message.Message):
+    __slots__ = ("path", "blob_key", "optimizer")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BLOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    blob_key: str
+    optimizer: bool
+    def __init__(self, path: _Optional[str] = ..., blob_key: _Optional[str] = ..., optimizer: _Optional[bool] = ...) -> None: ...
 
 class AdamParams(_message.Message):
     __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -147,7 +163,7 @@ class SessionFinished(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestAccepted(_message.Message):
-    __slots__ = ("request_id", "aggregate_id", "seq_id", "create_model", "forward_backward", "optim_step", "save_weights", "sample")
+    __slots__ = ("request_id", "aggregate_id", "seq_id", "create_model", "forward_backward", "optim_step", "save_weights", "sample", "load_weights")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +172,7 @@ class RequestAccepted(_message.Message):
     OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
     SAVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     aggregate_id: str
     seq_id: int
@@ -164,7 +181,8 @@ class RequestAccepted(_message.Message):
     optim_step: OptimStep
     save_weights: SaveWeights
     sample: Sample
-    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_public_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ...) -> None: ...
+    load_weights: LoadWeights
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., create_model: _Optional[_Union[CreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_public_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[OptimStep, _Mapping]] = ..., save_weights: _Optional[_Union[SaveWeights, _Mapping]] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., load_weights: _Optional[_Union[LoadWeights, _Mapping]] = ...) -> None: ...
 
 class RequestRejected(_message.Message):
     __slots__ = ("aggregate_id", "seq_id", "kind", "detail")
@@ -228,7 +246,7 @@ class RunCreated(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., tokenizer_id: _Optional[str] = ...) -> None: ...
 
 class WeightsSaved(_message.Message):
-    __slots__ = ("model_id", "tinker_path", "blob_key", "kind", "base_model", "lora_rank", "size_bytes", "ttl_seconds", "user_metadata")
+    __slots__ = ("model_id", "tinker_path", "blob_key", "kind", "base_model", "lora_rank", "size_bytes", "ttl_seconds", "user_metadata", "lora")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +263,7 @@ class WeightsSaved(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tinker_path: str
     blob_key: str
@@ -254,7 +273,28 @@ class WeightsSaved(_message.Message):
     size_bytes: int
     ttl_seconds: int
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., blob_key: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lora: LoraConfig
+    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., blob_key: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
+
+class RunUnloaded(_message.Message):
+    __slots__ = ("model_id", "snapshot_key", "next_seq_id", "create")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    snapshot_key: str
+    next_seq_id: int
+    create: CreateModel
+    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ..., next_seq_id: _Optional[int] = ..., create: _Optional[_Union[CreateModel, _Mapping]] = ...) -> None: ...
+
+class RunRestored(_message.Message):
+    __slots__ = ("model_id", "snapshot_key")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    snapshot_key: str
+    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ...) -> None: ...
 
 class SamplerCreated(_message.Message):
     __slots__ = ("sampler_id", "session_id", "base_model", "model_path", "adapter_key")
@@ -271,7 +311,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +322,8 @@ class Event(_message.Message):
     RUN_CREATED_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_SAVED_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_CREATED_FIELD_NUMBER: _ClassVar[int]
+    RUN_UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    RUN_RESTORED_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -292,7 +334,9 @@ class Event(_message.Message):
     run_created: RunCreated
     weights_saved: WeightsSaved
     sampler_created: SamplerCreated
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ...) -> None: ...
+    run_unloaded: RunUnloaded
+    run_restored: RunRestored
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ...) -> None: ...
 
 class ResolveCheckpoint(_message.Message):
     __slots__ = ("tinker_path",)
