@@ -61,14 +61,20 @@ class RunningSystem:
         )
 
 
-def start_system(data_dir: Path, timeout: float = 300.0) -> RunningSystem:
-    port = free_port()
+def start_system(
+    data_dir: Path,
+    timeout: float = 300.0,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> RunningSystem:
+    port = port or free_port()
     tinsmith = Path(sys.executable).parent / "tinsmith"
     process = subprocess.Popen(
         [str(tinsmith), "up", "--port", str(port), "--data-dir", str(data_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout

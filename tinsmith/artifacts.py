@@ -19,6 +19,7 @@ from tinsmith.failures import InvalidRequest
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.safetensors"
+GRADIENTS = "gradients.safetensors"  # snapshots only: accumulated, not yet applied
 METADATA = "tinsmith.json"
 
 SCHEME = "tinker://"

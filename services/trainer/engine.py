@@ -127,11 +127,16 @@ class TrainerEngine:
                 entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
                 if entry:
                     run.optimizer.state[param] = entry
+        pending = directory / artifacts.GRADIENTS
+        grads = load_file(str(pending)) if pending.exists() else {}
+        for name, param in run.params.items():
+            grad = grads.get(_neutral(name, run.adapter))
+            param.grad = None if grad is None else grad.clone()
 
     def unload(self, model_id: str) -> None:
         """Drop the run's adapter and optimizer from memory (after it was snapshotted)."""
         run = self.runs.pop(model_id)
-        self.bases[run.base_model].base_model.delete_adapter(run.adapter)  # type: ignore[operator]
+        self.bases[run.base_model].delete_adapter(run.adapter)
 
     def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
         peft_model = self.bases.get(base_model)
@@ -154,7 +159,9 @@ class TrainerEngine:
         if run is None:
             raise NotFound(f"training run {model_id!r} is not loaded on this trainer")
         model = self.bases[run.base_model]
-        model.base_model.set_adapter(run.adapter)  # type: ignore[operator]
+        # Always, and on the PeftModel itself: it keeps its own record of the active adapter,
+        # which goes stale when an adapter of the same name was deleted and added again.
+        model.set_adapter(run.adapter)
         for param in run.params.values():  # set_adapter freezes the others; keep ours trainable
             param.requires_grad_(True)
         return run, model
@@ -234,9 +241,13 @@ class TrainerEngine:
 
     # -- export --------------------------------------------------------------------------------
 
-    def export(self, model_id: str, directory: Path, *, with_optimizer: bool) -> dict[str, Any]:
-        """Write the run's adapter in PEFT's on-disk format (plus optimizer state and metadata
-        for a training checkpoint) into ``directory``."""
+    def export(
+        self, model_id: str, directory: Path, *, with_optimizer: bool, with_gradients: bool = False
+    ) -> dict[str, Any]:
+        """Write the run's adapter in PEFT's on-disk format into ``directory``, plus its optimizer
+        state for a training checkpoint, and the gradients accumulated since the last optim_step
+        for a snapshot (a run unloaded between forward_backward and optim_step must not lose
+        them)."""
         run, model = self._activate(model_id)
         directory.mkdir(parents=True, exist_ok=True)
         # Adapter tensors only: by default PEFT adds the whole base lm_head when it is a LoRA
@@ -253,6 +264,13 @@ class TrainerEngine:
         config.save_pretrained(str(directory))
         if with_optimizer:
             save_file(_optimizer_tensors(run), str(directory / artifacts.OPTIMIZER_STATE))
+        grads = {
+            _neutral(name, run.adapter): param.grad.detach().contiguous()
+            for name, param in run.params.items()
+            if param.grad is not None
+        }
+        if with_gradients and grads:
+            save_file(grads, str(directory / artifacts.GRADIENTS))
         metadata = {"model_id": model_id, "base_model": run.base_model, "lora_rank": run.rank}
         (directory / artifacts.METADATA).write_text(json.dumps(metadata))
         return metadata

@@ -190,7 +190,7 @@ class Trainer:
         queue.busy = True  # requests that arrive meanwhile wait, then restore
         try:
             key = artifacts.snapshot_key(model_id, queue.next_seq)
-            await self._export(model_id, key, with_optimizer=True)
+            await self._export(model_id, key, with_optimizer=True, with_gradients=True)
             await self.compute.run(self.engine.unload, model_id)
             unloaded = bus.RunUnloaded(
                 model_id=model_id, snapshot_key=key, next_seq_id=queue.next_seq, create=queue.create
@@ -312,11 +312,15 @@ class Trainer:
     # -- storage -------------------------------------------------------------------------------
 
     async def _export(
-        self, model_id: str, key: str, *, with_optimizer: bool
+        self, model_id: str, key: str, *, with_optimizer: bool, with_gradients: bool = False
     ) -> tuple[dict[str, object], int]:
         with tempfile.TemporaryDirectory(prefix="tinsmith-save-") as tmp:
             metadata = await self.compute.run(
-                self.engine.export, model_id, Path(tmp), with_optimizer=with_optimizer
+                self.engine.export,
+                model_id,
+                Path(tmp),
+                with_optimizer=with_optimizer,
+                with_gradients=with_gradients,
             )
             return metadata, await self.blobs.put_dir(key, Path(tmp))
 

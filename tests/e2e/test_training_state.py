@@ -37,8 +37,9 @@ def _batch(seed: int) -> list[types.Datum]:
 
 def _steps(training: tinker.TrainingClient, seeds: range) -> None:
     for seed in seeds:
-        training.forward_backward(_batch(seed), "cross_entropy")
+        fb = training.forward_backward(_batch(seed), "cross_entropy")
         training.optim_step(ADAM).result()
+        fb.result()
 
 
 class Checkpoints:
