@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from tinsmith import artifacts, events, jobs, models, subjects
+from tinsmith import artifacts, events, jobs, losses, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.eventlog import EventLog, FollowedProjection
@@ -23,9 +23,6 @@ from tinsmith.tensors import decode_tensor, model_input_tokens
 
 from . import wire
 from .config import GatewayConfig
-
-# Loss functions the trainer implements, with the loss_fn_inputs each one requires.
-LOSS_INPUTS: dict[str, tuple[str, ...]] = {"cross_entropy": ("target_tokens",)}
 
 JsonDict = dict[str, Any]
 
@@ -237,11 +234,7 @@ class Gateway:
     def _check_forward_backward(
         self, run: jobs.RunState, request: tp.ForwardBackwardRequest
     ) -> None:
-        required = LOSS_INPUTS.get(request.loss_fn)
-        if required is None:
-            raise InvalidRequest(
-                f"loss_fn {request.loss_fn!r} is not implemented; accepted: {sorted(LOSS_INPUTS)}"
-            )
+        losses.resolve_config(request.loss_fn, losses.config_of(request))
         if not request.data:
             raise InvalidRequest("forward_backward needs at least one datum")
         spec = models.get(run.base_model)
@@ -256,18 +249,12 @@ class Gateway:
                     f"{spec.max_context_length}"
                 )
             wire.check_vocab(tokens, spec.vocab_size, f"datum {i} model_input")
-            for name in required:
-                if name not in datum.loss_fn_inputs:
-                    raise InvalidRequest(f"datum {i} lacks loss_fn_inputs[{name!r}]")
-            for name, tensor in datum.loss_fn_inputs.items():
-                array = decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
-                if array.shape[0] != n:
-                    raise InvalidRequest(
-                        f"datum {i} loss_fn_inputs[{name!r}] has {array.shape[0]} rows; it must "
-                        f"have one per model_input token ({n})"
-                    )
-                if name == "target_tokens":
-                    wire.check_vocab(array, spec.vocab_size, f"datum {i} target_tokens")
+            inputs = {
+                name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
+                for name, tensor in datum.loss_fn_inputs.items()
+            }
+            losses.check_inputs(request.loss_fn, inputs, n, i)
+            wire.check_vocab(inputs["target_tokens"], spec.vocab_size, f"datum {i} target_tokens")
 
     async def optim_step(self, body: JsonDict) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))

@@ -30,7 +30,10 @@ from tinsmith import artifacts, models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, NotFound
+from tinsmith.losses import config_of
 from tinsmith.tensors import batched, decode_tensor, model_input_tokens
+
+from . import losses
 
 # LoRA scaling is alpha / rank with a fixed alpha, so a learning rate carries across ranks.
 LORA_ALPHA = 32
@@ -169,47 +172,43 @@ class TrainerEngine:
     # -- forward / backward --------------------------------------------------------------------
 
     def forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
-        """Run the whole batch in one padded forward pass; accumulate gradients unless
-        ``forward_only``. Returns a serialized ``ForwardBackwardOutput``."""
+        """Run the whole batch in one right-padded forward pass, apply the loss to each datum's
+        own positions, and accumulate gradients unless ``forward_only``. Returns a serialized
+        ``ForwardBackwardOutput``."""
         _run, model = self._activate(model_id)
-        inputs = [model_input_tokens(d.model_input) for d in request.data]
-        lengths = [len(t) for t in inputs]
-        width = max(lengths)
-        ids = torch.zeros((len(inputs), width), dtype=torch.long)
-        mask = torch.zeros((len(inputs), width), dtype=torch.long)
-        targets = torch.zeros((len(inputs), width), dtype=torch.long)
-        weights = torch.zeros((len(inputs), width), dtype=torch.float32)
-        for i, (tokens, datum) in enumerate(zip(inputs, request.data, strict=True)):
-            n = lengths[i]
-            ids[i, :n] = torch.from_numpy(tokens.astype(np.int64))
+        tokens = [model_input_tokens(d.model_input) for d in request.data]
+        lengths = [len(t) for t in tokens]
+        ids = torch.zeros((len(tokens), max(lengths)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, (row, n) in enumerate(zip(tokens, lengths, strict=True)):
+            ids[i, :n] = torch.from_numpy(row.astype(np.int64))
             mask[i, :n] = 1
-            target = decode_tensor(datum.loss_fn_inputs["target_tokens"], "target_tokens")
-            if target.ndim != 1:
-                raise InvalidRequest("target_tokens must be 1-D (one target per position)")
-            targets[i, :n] = torch.from_numpy(target.astype(np.int64))
-            if "weights" in datum.loss_fn_inputs:
-                w = decode_tensor(datum.loss_fn_inputs["weights"], "weights")
-                weights[i, :n] = torch.from_numpy(w.astype(np.float32).reshape(n))
-            else:
-                weights[i, :n] = 1.0
+        inputs = [
+            {
+                name: torch.from_numpy(np.array(decode_tensor(tensor, name)))
+                for name, tensor in datum.loss_fn_inputs.items()
+            }
+            for datum in request.data
+        ]
         grad = not request.forward_only
-        model.train(False)
         with torch.set_grad_enabled(grad):
             logits = model(input_ids=ids, attention_mask=mask).logits.float()
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
-            elementwise = -weights * logprobs
-            loss = elementwise.sum()
+            result = losses.compute(
+                request.loss_fn,
+                [logits[i, :n] for i, n in enumerate(lengths)],
+                inputs,
+                config_of(request),
+            )
             if grad:
-                loss.backward()  # type: ignore[no-untyped-call]
+                result.total.backward()  # type: ignore[no-untyped-call]
         out = tp.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(inputs))
-        lp = logprobs.detach().numpy()
-        el = elementwise.detach().numpy()
-        record.fields["logprobs"].CopyFrom(batched([lp[i, :n] for i, n in enumerate(lengths)]))
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(tokens))
+        record.fields["logprobs"].CopyFrom(batched([lp.numpy() for lp in result.logprobs]))
         record.fields["elementwise_loss"].CopyFrom(
-            batched([el[i, :n] for i, n in enumerate(lengths)])
+            batched([el.numpy() for el in result.elementwise])
         )
-        out.metrics["loss:sum"] = float(loss.detach())
+        for key, value in result.metrics.items():
+            out.metrics[key] = value
         return out.SerializeToString()
 
     # -- optimizer -----------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_every_state_change_is_an_event_and_weights_go_through_the_object_store(
 
 
 def test_capabilities_advertise_the_built_in_models(system: RunningSystem) -> None:
-    rest = tinker.ServiceClient(base_url=system.url, api_key="tml-e2e").create_rest_client()
+    rest = tinker.RestClient(base_url=system.url, api_key="tml-e2e")
     names = {m.model_name for m in rest.get_server_capabilities().result().supported_models}
     assert {"tinsmith/tiny", "HuggingFaceTB/SmolLM2-135M-Instruct"} <= names
 
