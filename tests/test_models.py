@@ -37,12 +37,16 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return models.materialize(models.SMOLLM2, tmp_path_factory.mktemp("smollm2-cache"))
 
 
-def test_registry_advertises_both_models() -> None:
+def test_registry_advertises_the_built_in_models() -> None:
     names = models.registry()
 
-    assert set(names) == {"tinsmith/tiny", "HuggingFaceTB/SmolLM2-135M-Instruct"}
-    assert names["tinsmith/tiny"].arch == "qwen2"
-    assert names["tinsmith/tiny"].vocab_size == 512
+    assert set(names) == {
+        "tinsmith/tiny",
+        "tinsmith/small",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    }
+    assert names["tinsmith/tiny"].arch == names["tinsmith/small"].arch == "qwen2"
+    assert names["tinsmith/tiny"].vocab_size == names["tinsmith/small"].vocab_size == 512
     assert names["HuggingFaceTB/SmolLM2-135M-Instruct"].max_context_length == 8192
 
 
@@ -118,6 +122,24 @@ def test_tiny_loads_in_transformers_with_no_missing_keys(tiny_dir: pathlib.Path)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert not info["mismatched_keys"] and not info["error_msgs"]
     assert tuple(logits.shape) == (1, 5, 512)
+
+
+def test_small_has_about_6m_parameters_loads_and_shares_the_tiny_tokenizer(
+    tiny_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    small_dir = models.materialize(models.SMALL, tmp_path)
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        small_dir, output_loading_info=True
+    )
+    logits = model(torch.tensor([[0, 5, 17, 300, 511]])).logits
+
+    assert 5_500_000 <= sum(p.numel() for p in model.parameters()) <= 6_500_000
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert tuple(logits.shape) == (1, 5, 512)
+    assert (small_dir / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
 
 
 def test_tiny_tokenizer_round_trips_and_matches_its_json(tiny_dir: pathlib.Path) -> None:

