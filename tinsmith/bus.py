@@ -16,10 +16,13 @@ from dataclasses import dataclass
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import NotFoundError
 
 from tinsmith import subjects
+from tinsmith.failures import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +208,12 @@ class Bus:
         await self.nc.subscribe(subject, cb=on_msg)
 
     async def request(self, subject: str, payload: bytes, timeout: float = 10.0) -> bytes:
-        msg = await self.nc.request(subject, payload, timeout=timeout)
+        """Ask the service behind ``subject``; its absence is transient (Unavailable), which
+        clients retry."""
+        try:
+            msg = await self.nc.request(subject, payload, timeout=timeout)
+        except (NoRespondersError, NatsTimeoutError) as exc:
+            raise Unavailable(f"no service answers {subject} yet; retry shortly") from exc
         return msg.data
 
     def spawn(self, coro: Awaitable[None]) -> None:

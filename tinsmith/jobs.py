@@ -60,6 +60,9 @@ class RunState:
     ready: bool = False
     tokenizer_id: str = ""
     last_seq_id: int = 0
+    last_request_time: float = 0.0
+    last_checkpoint: str = ""  # tinker:// path of the newest training checkpoint
+    last_sampler_checkpoint: str = ""
     # Set while the trainer has let go of the run: where its state is, and what runs next.
     snapshot: bus.RunUnloaded | None = None
 
@@ -136,11 +139,21 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
                 train_attn=create.lora.train_attn,
                 train_unembed=create.lora.train_unembed,
                 user_metadata=tuple(sorted(create.user_metadata.items())),
+                last_request_time=event.time,
             )
         if state is not None:
-            return replace(state, last_seq_id=max(state.last_seq_id, accepted.seq_id))
+            return replace(
+                state,
+                last_seq_id=max(state.last_seq_id, accepted.seq_id),
+                last_request_time=event.time,
+            )
     if state is not None and kind == "run_created":
         return replace(state, ready=True, tokenizer_id=event.run_created.tokenizer_id)
+    if state is not None and kind == "weights_saved":
+        saved = event.weights_saved
+        if saved.kind == bus.CHECKPOINT_KIND_TRAINING:
+            return replace(state, last_checkpoint=saved.tinker_path)
+        return replace(state, last_sampler_checkpoint=saved.tinker_path)
     if state is not None and kind == "run_unloaded":
         return replace(state, snapshot=event.run_unloaded)
     if state is not None and kind == "run_restored":
@@ -170,6 +183,7 @@ class Projection:
     samplers: dict[str, SamplerState] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)
     checkpoints: dict[str, bus.WeightsSaved] = field(default_factory=dict)
+    saved_at: dict[str, float] = field(default_factory=dict)  # tinker path -> event time
     position: int = 0
 
     def apply(self, seq: int, event: bus.Event) -> None:
@@ -196,9 +210,10 @@ class Projection:
             _put(self.samplers, agg_id, evolve_sampler(self.samplers.get(agg_id), event))
             sid = event.sampler_created.session_id
             _put(self.sessions, sid, evolve_session(self.sessions.get(sid), event))
-        elif kind == "weights_saved":
-            self.checkpoints[event.weights_saved.tinker_path] = event.weights_saved
         else:
+            if kind == "weights_saved":
+                self.checkpoints[event.weights_saved.tinker_path] = event.weights_saved
+                self.saved_at[event.weights_saved.tinker_path] = event.time
             _put(self.runs, agg_id, evolve_run(self.runs.get(agg_id), event))
 
 

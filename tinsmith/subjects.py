@@ -29,6 +29,7 @@ SESSION_HEARTBEATS = "tinsmith.heartbeats.session"
 
 # Request-reply services.
 RESOLVE_CHECKPOINT = "tinsmith.rpc.checkpoint.resolve"
+CATALOG_TRAINING_RUN = "tinsmith.rpc.catalog.training_run"
 
 AGGREGATES = ("session", "run", "sampler")
 

@@ -16,6 +16,7 @@ async def start(bus: Bus) -> None:
     catalog = Catalog(EventLog(bus), BlobStore(config.blob_url))
     await catalog.start()
     await bus.serve(subjects.RESOLVE_CHECKPOINT, catalog.resolve)
+    await bus.serve(subjects.CATALOG_TRAINING_RUN, catalog.training_run)
 
 
 if __name__ == "__main__":

@@ -478,6 +478,16 @@ class Gateway:
             events.make(request_rejected=rejected), msg_id=events.request_id(model_id, seq_id)
         )
 
+    async def training_run(self, training_run_id: str) -> bytes:
+        """The REST ``TrainingRun``, from the checkpoint service's catalog."""
+        query = bus.CatalogQuery(training_run_id=subjects.check_id("run id", training_run_id))
+        reply = bus.CatalogReply.FromString(
+            await self.log.bus.request(subjects.CATALOG_TRAINING_RUN, query.SerializeToString())
+        )
+        if reply.error_kind:
+            raise from_kind(reply.error_kind, reply.error_detail)
+        return reply.json
+
     async def _resolve(self, tinker_path: str) -> bus.WeightsSaved:
         """Ask the checkpoint service what a tinker:// path refers to."""
         artifacts.parse(tinker_path)

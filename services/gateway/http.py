@@ -111,7 +111,13 @@ def build_app(gateway: Gateway) -> web.Application:
     app.router.add_post(API + "/sessions/{id}/finish", finish)
     app.router.add_post(API + "/forward_backward", forward_backward)
     app.router.add_post(API + "/retrieve_future", retrieve_future)
+
+    async def training_run(request: web.Request) -> web.StreamResponse:
+        body = await gateway.training_run(request.match_info["id"])
+        return web.Response(body=body, content_type="application/json")
+
     app.router.add_get(API + "/samplers/{id}", get_sampler)
+    app.router.add_get(API + "/training_runs/{id}", training_run)
     app.router.add_get(API + "/get_server_capabilities", capabilities)
     app.router.add_get(API + "/healthz", healthz)
     return app

@@ -7,6 +7,7 @@ import asyncio
 import re
 
 import httpx
+import pytest
 import tinker
 from tinker import types
 
@@ -88,3 +89,27 @@ def test_heartbeat_and_telemetry_are_answered(system: RunningSystem) -> None:
         assert telemetry.json() == {"status": "accepted"}
         config = http.post("/client/config", json={"sdk_version": "0.38.0"}).json()
         assert config["fwdbwd_max_chunk_bytes_count"] < 8 * 1024 * 1024
+
+
+def test_a_training_run_as_the_rest_api_shows_it(system: RunningSystem) -> None:
+    service = tinker.ServiceClient(base_url=system.url, api_key="tml-e2e")
+    training = service.create_lora_training_client(
+        "tinsmith/tiny", rank=4, user_metadata={"renderer_name": "role_colon"}
+    ).result()
+    path = training.save_state("rest-check", ttl_seconds=7200).result().path
+    rest = tinker.RestClient(base_url=system.url, api_key="tml-e2e")
+    run = rest.get_training_run(training.model_id).result()
+    assert (run.training_run_id, run.base_model, run.lora_rank) == (
+        training.model_id,
+        "tinsmith/tiny",
+        4,
+    )
+    assert run.user_metadata == {"renderer_name": "role_colon"}
+    assert run.last_checkpoint is not None
+    assert run.last_checkpoint.tinker_path == path
+    assert run.last_checkpoint.checkpoint_id == "weights/rest-check"
+    assert run.last_checkpoint.expires_at is not None
+    assert run.last_sampler_checkpoint is None
+    with pytest.raises(tinker.NotFoundError):
+        rest.get_training_run("nope:train:0").result()
+    service.close("success").result(timeout=30)

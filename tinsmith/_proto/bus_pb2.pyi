@@ -344,6 +344,22 @@ class ResolveCheckpoint(_message.Message):
     tinker_path: str
     def __init__(self, tinker_path: _Optional[str] = ...) -> None: ...
 
+class CatalogQuery(_message.Message):
+    __slots__ = ("training_run_id",)
+    TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    training_run_id: str
+    def __init__(self, training_run_id: _Optional[str] = ...) -> None: ...
+
+class CatalogReply(_message.Message):
+    __slots__ = ("error_kind", "error_detail", "json")
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    error_kind: str
+    error_detail: str
+    json: bytes
+    def __init__(self, error_kind: _Optional[str] = ..., error_detail: _Optional[str] = ..., json: _Optional[bytes] = ...) -> None: ...
+
 class ResolvedCheckpoint(_message.Message):
     __slots__ = ("error_kind", "error_detail", "checkpoint")
     ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
