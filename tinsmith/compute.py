@@ -19,8 +19,12 @@ _T = TypeVar("_T")
 
 
 class ComputeThread:
-    def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+        """``initializer`` runs first on the thread (torch's intra-op thread count, for one, is
+        a setting of the thread that computes)."""
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=name, initializer=initializer
+        )
 
     async def run(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Run ``fn`` on the compute thread and await its result."""

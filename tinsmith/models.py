@@ -45,7 +45,7 @@ TINY = "tinsmith/tiny"
 SMALL = "tinsmith/small"
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Part of every cache directory name: bump it when a recipe changes, so old builds are not reused.
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 _SEED = 20240601
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CHAT_TEMPLATE = (

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tinsmith import artifacts, events, jobs, losses, models, subjects
+from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.eventlog import EventLog, FollowedProjection
@@ -108,6 +109,9 @@ class Gateway:
             return {"request_id": request_id, "model_id": model_id}
         spec = models.get(wire.req_str(body, "base_model"))
         lora = wire.lora_config(body.get("lora_config"))
+        lora_layout.target_modules(
+            spec.arch, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed
+        )
         optimizer = body.get("optimizer_config") or {"type": "adamw"}
         family = optimizer.get("type", "adamw") if isinstance(optimizer, dict) else None
         if family != "adamw":

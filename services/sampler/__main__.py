@@ -13,7 +13,8 @@ from .handlers import Sampler
 
 async def start(bus: Bus) -> None:
     config = SamplerConfig.from_env()
-    sampler = Sampler(bus, SamplerEngine(config.cache_dir), BlobStore(config.blob_url), config)
+    engine = SamplerEngine(config.cache_dir, config.torch_threads)
+    sampler = Sampler(bus, engine, BlobStore(config.blob_url), config)
     await sampler.start()
 
 

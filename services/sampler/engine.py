@@ -40,9 +40,14 @@ class _Base:
 
 
 class SamplerEngine:
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, threads: int = 1) -> None:
         self.cache_dir = cache_dir
+        self.threads = threads
         self.bases: dict[str, _Base] = {}
+
+    def init_compute_thread(self) -> None:
+        """Run on the compute thread before any work: torch's thread count is per thread."""
+        torch.set_num_threads(self.threads)
 
     def _base(self, name: str) -> _Base:
         base = self.bases.get(name)

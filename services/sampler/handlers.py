@@ -29,7 +29,7 @@ class Sampler:
         self.engine = engine
         self.blobs = blobs
         self.config = config
-        self.compute = ComputeThread("sampler-compute")
+        self.compute = ComputeThread("sampler-compute", engine.init_compute_thread)
 
     async def start(self) -> None:
         await self.bus.consume(

@@ -14,7 +14,10 @@ from .handlers import Trainer
 async def start(bus: Bus) -> None:
     config = TrainerConfig.from_env()
     trainer = Trainer(
-        bus, TrainerEngine(config.cache_dir), BlobStore(config.blob_url), config.idle_unload_s
+        bus,
+        TrainerEngine(config.cache_dir, config.torch_threads),
+        BlobStore(config.blob_url),
+        config.idle_unload_s,
     )
     await trainer.start()
 

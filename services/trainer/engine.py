@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tinsmith import artifacts, models
+from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, NotFound
@@ -34,12 +35,6 @@ from tinsmith.losses import config_of
 from tinsmith.tensors import batched, decode_tensor, model_input_tokens
 
 from . import losses
-
-# LoRA scaling is alpha / rank with a fixed alpha, so a learning rate carries across ranks.
-LORA_ALPHA = 32
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
-_UNEMBED = ("lm_head",)
 
 
 @dataclass
@@ -53,12 +48,17 @@ class Run:
 
 
 class TrainerEngine:
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, threads: int = 1) -> None:
         self.cache_dir = cache_dir
+        self.threads = threads
         self.bases: dict[str, PeftModel] = {}
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Run] = {}
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        self._active: dict[str, str] = {}  # base model -> the adapter currently active on it
+
+    def init_compute_thread(self) -> None:
+        """Run on the compute thread before any work: torch's thread count is per thread."""
+        torch.set_num_threads(self.threads)
 
     # -- runs ----------------------------------------------------------------------------------
 
@@ -70,16 +70,17 @@ class TrainerEngine:
         if model_id in self.runs:
             return str(self.model_dirs[command.base_model])
         lora = command.lora
-        targets = (
-            (_ATTN if lora.train_attn else ())
-            + (_MLP if lora.train_mlp else ())
-            + (_UNEMBED if lora.train_unembed else ())
+        targets = lora_layout.target_modules(
+            models.get(command.base_model).arch,
+            attn=lora.train_attn,
+            mlp=lora.train_mlp,
+            unembed=lora.train_unembed,
         )
         config = LoraConfig(
             r=lora.rank,
-            lora_alpha=LORA_ALPHA,
-            lora_dropout=0.0,  # dropout would make RL importance ratios inexact
-            target_modules=list(targets),
+            lora_alpha=lora_layout.ALPHA,
+            lora_dropout=lora_layout.DROPOUT,
+            target_modules=targets,
             bias="none",
         )
         adapter = _adapter_name(model_id)
@@ -140,6 +141,7 @@ class TrainerEngine:
         """Drop the run's adapter and optimizer from memory (after it was snapshotted)."""
         run = self.runs.pop(model_id)
         self.bases[run.base_model].delete_adapter(run.adapter)
+        self._active.pop(run.base_model, None)
 
     def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
         peft_model = self.bases.get(base_model)
@@ -162,9 +164,12 @@ class TrainerEngine:
         if run is None:
             raise NotFound(f"training run {model_id!r} is not loaded on this trainer")
         model = self.bases[run.base_model]
-        # Always, and on the PeftModel itself: it keeps its own record of the active adapter,
-        # which goes stale when an adapter of the same name was deleted and added again.
-        model.set_adapter(run.adapter)
+        # On the PeftModel itself, which keeps its own record of the active adapter. That record
+        # goes stale when an adapter of the same name is deleted and added again, so the engine
+        # keeps its own, and skips the switch (a walk over every module) when nothing changed.
+        if self._active.get(run.base_model) != run.adapter:
+            model.set_adapter(run.adapter)
+            self._active[run.base_model] = run.adapter
         for param in run.params.values():  # set_adapter freezes the others; keep ours trainable
             param.requires_grad_(True)
         return run, model

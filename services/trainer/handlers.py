@@ -65,7 +65,7 @@ class Trainer:
         self.engine = engine
         self.blobs = blobs
         self.idle_unload_s = idle_unload_s
-        self.compute = ComputeThread("trainer-compute")
+        self.compute = ComputeThread("trainer-compute", engine.init_compute_thread)
         self.queues: dict[str, _RunQueue] = {}
         self.last_seen: dict[str, float] = {}  # session id -> monotonic time of last sign of life
         self._reaper_wake = asyncio.Event()

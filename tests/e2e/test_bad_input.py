@@ -4,6 +4,7 @@ serving (a rejected training request does not stall the run's later requests).""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -137,3 +138,19 @@ def test_a_repeated_seq_id_returns_the_first_future(
 def test_the_system_keeps_serving(http: httpx.Client, training: tinker.TrainingClient) -> None:
     assert http.get("/healthz").json() == {"status": "ok"}
     _still_trains(training)
+
+
+def test_a_base_model_of_an_unsupported_architecture(http: httpx.Client, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 100}')
+    session = http.post("/create_session", json={"tags": [], "user_metadata": {}}).json()
+    reply = http.post(
+        "/create_model",
+        json={
+            "session_id": session["session_id"],
+            "model_seq_id": 0,
+            "base_model": str(tmp_path),
+            "lora_config": {"rank": 8},
+        },
+    )
+    assert reply.status_code == 400
+    assert "not supported for architecture 'gpt2'" in reply.json()["detail"]

@@ -1,0 +1,1 @@
+"""Benchmarks: programs that measure and print, run by hand (``python -m bench.<name>``)."""
