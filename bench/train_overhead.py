@@ -10,7 +10,7 @@ weight 1) plus one ``optim_step`` (AdamW). For each model it is measured two way
     config (alpha 32, dropout 0, attention + MLP + unembedding), ``torch.optim.AdamW`` with the
     SDK's default Adam parameters, and the trainer's math: one padded forward, log_softmax and
     gather, a summed loss, backward, ``clip_grad_norm_``, step. All on this process's main thread
-    with torch's default intra-op threads, as the trainer's one compute thread runs.
+    with the trainer's intra-op thread count (``TINSMITH_TORCH_THREADS``, default half the cores).
 
 After warm-up the sides alternate, a, b, a, b ..., so machine noise hits both; the medians and
 their ratio are printed. Then the system's step is split along its critical path, from the
@@ -355,8 +355,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=int,
-        default=0,
-        help="torch intra-op threads on both sides (default: torch's default, as the trainer)",
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="torch intra-op threads on both sides (default: half the cores, as the trainer)",
     )
     return parser.parse_args(argv)
 
@@ -365,13 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     warnings.filterwarnings("ignore", category=FutureWarning)
-    if args.threads:
-        # Both sides: the trainer reads OMP_NUM_THREADS through torch's default thread count.
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-        torch.set_num_threads(args.threads)
-    else:
-        # What the trainer does at start (services/trainer/engine.py): torch's default count.
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    # Both sides: the system's trainer reads TINSMITH_TORCH_THREADS (services/trainer/config.py).
+    os.environ["TINSMITH_TORCH_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
     print(
         f"batch {args.batch}x{args.seq}, LoRA rank {args.rank}, {args.warmup} warm-up + "
         f"{args.rounds} measured rounds, torch threads {torch.get_num_threads()}, "
