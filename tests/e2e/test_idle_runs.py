@@ -79,5 +79,6 @@ def test_idle_runs_come_back_exactly_also_after_a_restart(tmp_path: Path) -> Non
         _steps(training, range(4, 6))  # the same client object: nothing to notice
         got = _adapter(tmp_path, training.save_state("six").result().path)
         assert max(float(np.max(np.abs(got[k] - expected[k]))) for k in expected) <= 1e-6
+        service.close("success").result(timeout=30)
     finally:
         stop_system(system)
