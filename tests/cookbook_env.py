@@ -5,8 +5,9 @@ It is built once and reused: under ``$TINSMITH_TEST_CACHE`` (default: the tinsmi
 exact pins it was built from; a directory without a matching marker is removed and built again.
 Building takes about a minute and a half with PyPI reachable (torch comes from the local CPU wheel).
 
-Every package is pinned to what ``tinker-cookbook==0.5.8`` resolved to, so a later release of any
-dependency cannot change what the tests run.
+The cookbook is installed with its ``math-rl`` extra (the arithmetic RL recipe imports
+``math_verify``). Every package is pinned to what ``tinker-cookbook[math-rl]==0.5.8`` resolved to,
+so a later release of any dependency cannot change what the tests run.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from pathlib import Path
 from tinsmith.models import default_cache_dir
 
 COOKBOOK = "tinker-cookbook==0.5.8"
+# The extras installed with it: math-rl for the math_rl recipe (math-verify, pylatexenc, sympy).
+COOKBOOK_EXTRAS = "math-rl"
 PIP = "pip==26.3"
 # Installed first and on its own: without it pip would resolve torch to the CUDA build (GBs).
 TORCH = "torch==2.13.0"
-# Everything tinker-cookbook 0.5.8 resolved to (pip freeze of a fresh build), torch's own
+# Everything tinker-cookbook[math-rl] 0.5.8 resolved to (pip freeze of a fresh build), torch's own
 # dependencies included. The cookbook pulls tinker 0.38.0, the SDK version tinsmith speaks.
 PINS = """
 aiohappyeyeballs==2.7.1
@@ -37,6 +40,7 @@ aiohttp==3.14.5
 aiosignal==1.4.0
 annotated-doc==0.0.7
 annotated-types==0.8.0
+antlr4-python3-runtime==4.13.2
 anyio==4.16.0
 attrs==26.1.0
 blobfile==3.3.0
@@ -61,9 +65,11 @@ huggingface-hub==1.33.0
 hyperframe==6.1.0
 idna==3.20
 jinja2==3.1.6
+latex2sympy2-extended==1.11.0
 lxml==6.1.3
 markdown-it-py==4.3.0
 markupsafe==3.0.4
+math-verify==0.9.0
 mdurl==0.1.2
 mpmath==1.3.0
 multidict==7.2.1
@@ -82,6 +88,7 @@ pycryptodomex==3.24.2
 pydantic==2.14.3
 pydantic-core==2.50.4
 pygments==2.21.0
+pylatexenc==2.11
 pyqwest==0.12.0
 pyrage==1.4.0
 python-dateutil==4.0.0
@@ -122,7 +129,7 @@ def venv_dir() -> Path:
 
 
 def _fingerprint() -> str:
-    recipe = "\n".join([sys.version, PIP, TORCH, COOKBOOK, PINS])
+    recipe = "\n".join([sys.version, PIP, TORCH, COOKBOOK, COOKBOOK_EXTRAS, PINS])
     return hashlib.sha256(recipe.encode()).hexdigest()
 
 
@@ -175,7 +182,8 @@ def ensure_cookbook_venv() -> Path:
         pip = (python, "-m", "pip", "install", "--quiet", "--no-input")
         _run(*pip, PIP)
         _run(*pip, "-c", constraints, TORCH)
-        _run(*pip, "-c", constraints, COOKBOOK)
+        name, version = COOKBOOK.split("==")
+        _run(*pip, "-c", constraints, f"{name}[{COOKBOOK_EXTRAS}]=={version}")
         marker = {"fingerprint": _fingerprint(), "seconds": round(time.monotonic() - started, 1)}
         (venv / _MARKER).write_text(json.dumps(marker) + "\n")
     return python

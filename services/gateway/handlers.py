@@ -101,12 +101,9 @@ class Gateway:
     # -- training ------------------------------------------------------------------------------
 
     async def create_model(self, body: JsonDict) -> JsonDict:
-        session = self._session(wire.req_str(body, "session_id"))
-        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0)
-        model_id = subjects.check_id("model_id", f"{session.session_id}:train:{model_seq_id}")
-        request_id = events.request_id(model_id, 0)
-        if request_id in self.state.requests:
-            return {"request_id": request_id, "model_id": model_id}
+        session, model_id, future = self._new_run(body)
+        if future:
+            return future
         spec = models.get(wire.req_str(body, "base_model"))
         lora = wire.lora_config(body.get("lora_config"))
         lora_layout.target_modules(
@@ -125,11 +122,14 @@ class Gateway:
             optimizer="adamw",
             user_metadata=wire.str_map(body, "user_metadata"),
         )
-        accepted = bus.RequestAccepted(
-            request_id=request_id, aggregate_id=model_id, seq_id=0, create_model=command
+        return await self._accept(
+            bus.RequestAccepted(
+                request_id=events.request_id(model_id, 0),
+                aggregate_id=model_id,
+                seq_id=0,
+                create_model=command,
+            )
         )
-        await self._accept(accepted)
-        return {"request_id": request_id, "model_id": model_id}
 
     async def load_weights(self, body: JsonDict) -> JsonDict:
         """Two forms: create a run from a checkpoint (``session_id`` + ``model_seq_id``, sent by
@@ -157,12 +157,9 @@ class Gateway:
                 path=path, blob_key=checkpoint.blob_key, optimizer=with_optimizer
             )
             return await self._submit(run, seq_id, lambda: {"load_weights": load})
-        session = self._session(wire.req_str(body, "session_id"))
-        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0)
-        model_id = subjects.check_id("model_id", f"{session.session_id}:train:{model_seq_id}")
-        request_id = events.request_id(model_id, 0)
-        if request_id in self.state.requests:
-            return {"request_id": request_id, "model_id": model_id}
+        session, model_id, future = self._new_run(body)
+        if future:
+            return future
         base_model = wire.opt_str(body, "base_model")
         checkpoint = await self._loadable(path, with_optimizer, base_model)
         lora = bus.LoraConfig()
@@ -181,11 +178,14 @@ class Gateway:
             load_optimizer=with_optimizer,
             load_path=path,
         )
-        accepted = bus.RequestAccepted(
-            request_id=request_id, aggregate_id=model_id, seq_id=0, create_model=command
+        return await self._accept(
+            bus.RequestAccepted(
+                request_id=events.request_id(model_id, 0),
+                aggregate_id=model_id,
+                seq_id=0,
+                create_model=command,
+            )
         )
-        await self._accept(accepted)
-        return {"request_id": request_id, "model_id": model_id}
 
     async def _loadable(
         self, path: str, with_optimizer: bool, base_model: str | None
@@ -426,6 +426,14 @@ class Gateway:
         if sampler is None:
             raise NotFound(f"no sampler {sampler_id!r}; create one with create_sampling_session")
         return sampler
+
+    def _new_run(self, body: JsonDict) -> tuple[jobs.SessionState, str, JsonDict | None]:
+        """The session and model_id of a run being created (the SDK derives the id as
+        ``<session_id>:train:<model_seq_id>`` too), and the first future if this is a repeat."""
+        session = self._session(wire.req_str(body, "session_id"))
+        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0)
+        model_id = subjects.check_id("model_id", f"{session.session_id}:train:{model_seq_id}")
+        return session, model_id, self._existing(model_id, 0)
 
     def _existing(self, aggregate_id: str, seq_id: int) -> JsonDict | None:
         """The first future of a repeated (aggregate, seq_id): the SDK retries submissions."""
