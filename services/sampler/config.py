@@ -18,7 +18,8 @@ class SamplerConfig:
     blob_url: str
     cache_dir: Path
     torch_threads: int = _HALF_THE_CORES
-    # How many accepted sample requests one replica takes from the shared queue at a time.
+    # How many accepted sample requests one replica takes from the shared queue at a time; they
+    # run as one batch. 1 runs requests one at a time.
     batch: int = 16
 
     @classmethod

@@ -1,0 +1,196 @@
+"""The sampler engine in-process on tinsmith/tiny: a batch of requests with different prompt
+lengths, adapters and sampling parameters gives each request what it gets alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from services.sampler.engine import SamplerEngine
+from tinsmith import models
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import InvalidRequest
+
+BASE = "tinsmith/tiny"
+
+
+def _save_adapter(directory: Path, seed: int, modules: list[str]) -> None:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(
+        models.materialize(BASE, models.default_cache_dir()), dtype=torch.float32
+    )
+    config = LoraConfig(r=4, lora_alpha=32, target_modules=modules, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # big enough to change what is sampled
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.01)
+    peft_model.save_pretrained(str(directory))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> SamplerEngine:
+    engine = SamplerEngine(models.default_cache_dir())
+    for key, seed, modules in (
+        ("adapter/a", 1, ["q_proj", "v_proj", "down_proj"]),
+        ("adapter/b", 2, ["q_proj", "k_proj", "o_proj", "up_proj", "lm_head"]),
+    ):
+        directory = tmp_path_factory.mktemp(key.replace("/", "-"))
+        _save_adapter(directory, seed, modules)
+        engine.load_adapter(BASE, key, directory)
+    return engine
+
+
+def _command(
+    prompt: list[int],
+    adapter: str = "",
+    n: int = 1,
+    prompt_logprobs: bool = False,
+    last_n: int | None = None,
+    **params: object,
+) -> bus.Sample:
+    stop_strs = params.pop("stop_strs", None)
+    stop_tokens = params.pop("stop_tokens", None)
+    # The gateway's defaults.
+    params = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, **params}
+    sampling = tp.SamplingParams(**params)  # type: ignore[arg-type]
+    if stop_strs is not None:
+        sampling.stop_strs.values.extend(stop_strs)  # type: ignore[arg-type]
+    if stop_tokens is not None:
+        sampling.stop_tokens.values.extend(stop_tokens)  # type: ignore[arg-type]
+    command = bus.Sample(
+        base_model=BASE,
+        adapter_key=adapter,
+        prompt=prompt,
+        params=sampling,
+        num_samples=n,
+        prompt_logprobs=prompt_logprobs,
+    )
+    if last_n is not None:
+        command.prompt_logprobs_last_n = last_n
+    return command
+
+
+def _decode(body: bytes | Exception) -> tp.SampleResponse:
+    assert isinstance(body, bytes), body
+    response = tp.SampleResponse()
+    response.ParseFromString(body)
+    return response
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 512, size=length)]
+
+
+def _assert_same(batched: tp.SampleResponse, alone: tp.SampleResponse) -> None:
+    assert len(batched.sequences) == len(alone.sequences)
+    for got, want in zip(batched.sequences, alone.sequences, strict=True):
+        assert (
+            np.frombuffer(got.tokens, "<i4").tolist() == np.frombuffer(want.tokens, "<i4").tolist()
+        )
+        assert got.stop_reason == want.stop_reason
+        np.testing.assert_allclose(
+            np.frombuffer(got.logprobs, "<f4"), np.frombuffer(want.logprobs, "<f4"), atol=1e-5
+        )
+    if alone.prompt_logprobs or batched.prompt_logprobs:
+        np.testing.assert_allclose(
+            np.frombuffer(batched.prompt_logprobs, "<f4"),
+            np.frombuffer(alone.prompt_logprobs, "<f4"),
+            atol=1e-5,
+        )
+
+
+def _mixed_batch() -> list[bus.Sample]:
+    return [
+        _command(_prompt(1, 5), "adapter/a", n=2, max_tokens=12, seed=7, temperature=1.0),
+        _command(_prompt(2, 23), "adapter/b", n=3, max_tokens=9, seed=8, temperature=0.7, top_k=20),
+        _command(_prompt(3, 1), "", n=1, max_tokens=15, seed=9, temperature=1.3, top_p=0.9),
+        _command(_prompt(4, 11), "adapter/a", n=1, max_tokens=6, temperature=0.0),
+        _command(_prompt(5, 17), "adapter/b", n=2, max_tokens=10, seed=3, stop_tokens=[]),
+        _command(_prompt(6, 8), "", n=2, max_tokens=4, seed=4, top_k=5, top_p=0.5),
+    ]
+
+
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(engine: SamplerEngine) -> None:
+    commands = _mixed_batch()
+    batched = [_decode(body) for body in engine.sample_batch(commands)]
+    for command, response in zip(commands, batched, strict=True):
+        _assert_same(response, _decode(engine.sample(command)))
+    # The adapters matter: the same request on another adapter samples something else.
+    a = _decode(engine.sample(_command(_prompt(1, 5), "adapter/a", max_tokens=12, seed=7)))
+    b = _decode(engine.sample(_command(_prompt(1, 5), "adapter/b", max_tokens=12, seed=7)))
+    base = _decode(engine.sample(_command(_prompt(1, 5), "", max_tokens=12, seed=7)))
+    assert len({a.sequences[0].logprobs, b.sequences[0].logprobs, base.sequences[0].logprobs}) == 3
+
+
+def test_sequence_i_does_not_depend_on_num_samples_or_the_batch(engine: SamplerEngine) -> None:
+    one = _decode(engine.sample(_command(_prompt(1, 5), "adapter/a", n=1, max_tokens=12, seed=7)))
+    batched = _decode(engine.sample_batch(_mixed_batch())[0])
+    assert batched.sequences[0].tokens == one.sequences[0].tokens
+
+
+def test_prompt_logprobs_in_a_batch_equal_those_alone(engine: SamplerEngine) -> None:
+    commands = [
+        _command(_prompt(11, 19), "adapter/b", prompt_logprobs=True, max_tokens=1, seed=1),
+        _command(_prompt(12, 4), "", prompt_logprobs=True, max_tokens=3, seed=2),
+        _command(_prompt(13, 9), "adapter/a", prompt_logprobs=True, last_n=4, max_tokens=1, seed=4),
+        _command(_prompt(14, 30), "adapter/a", n=2, max_tokens=5, seed=3),
+    ]
+    batched = [_decode(body) for body in engine.sample_batch(commands)]
+    for command, response in zip(commands, batched, strict=True):
+        _assert_same(response, _decode(engine.sample(command)))
+    values = np.frombuffer(batched[2].prompt_logprobs, "<f4")
+    assert np.isnan(values[:5]).all() and not np.isnan(values[5:]).any()
+    values = np.frombuffer(batched[0].prompt_logprobs, "<f4")
+    assert np.isnan(values[0]) and not np.isnan(values[1:]).any()
+
+
+def test_stops_work_inside_a_batch(engine: SamplerEngine) -> None:
+    probe = _command(_prompt(21, 6), "adapter/a", max_tokens=20, seed=5, stop_tokens=[])
+    free = np.frombuffer(_decode(engine.sample(probe)).sequences[0].tokens, "<i4").tolist()
+    stop_token = free[3]
+    first = free.index(stop_token)
+    stop_text = engine.bases[BASE].tokenizer.decode(free[:5])[-3:]
+    commands = [
+        _command(_prompt(21, 6), "adapter/a", max_tokens=20, seed=5, stop_tokens=[stop_token]),
+        _command(_prompt(21, 6), "adapter/a", max_tokens=20, seed=5, stop_strs=[stop_text]),
+        _command(_prompt(22, 13), "adapter/b", n=2, max_tokens=20, seed=6, stop_tokens=[]),
+        _command(_prompt(23, 3), "", max_tokens=20, seed=7, stop_tokens=[]),
+    ]
+    batched = [_decode(body) for body in engine.sample_batch(commands)]
+    by_token = batched[0].sequences[0]
+    assert np.frombuffer(by_token.tokens, "<i4").tolist() == free[: first + 1]
+    assert by_token.stop_reason == tp.STOP_REASON_STOP
+    by_text = batched[1].sequences[0]
+    got = np.frombuffer(by_text.tokens, "<i4").tolist()
+    assert by_text.stop_reason == tp.STOP_REASON_STOP and got == free[: len(got)]
+    assert stop_text in engine.bases[BASE].tokenizer.decode(got)
+    assert stop_text not in engine.bases[BASE].tokenizer.decode(got[:-1])
+    for response in batched[2:]:
+        for sequence in response.sequences:
+            assert len(np.frombuffer(sequence.tokens, "<i4")) == 20
+            assert sequence.stop_reason == tp.STOP_REASON_LENGTH
+    for command, response in zip(commands, batched, strict=True):
+        _assert_same(response, _decode(engine.sample(command)))
+
+
+def test_a_bad_request_fails_alone(engine: SamplerEngine) -> None:
+    good = _command(_prompt(31, 7), "adapter/b", max_tokens=5, seed=1)
+    outcomes = engine.sample_batch(
+        [
+            _command([], "adapter/a", max_tokens=5),
+            good,
+            _command([1, 100000], "", max_tokens=5),
+            _command(_prompt(32, 4), "adapter/missing", max_tokens=5),
+        ]
+    )
+    assert isinstance(outcomes[0], InvalidRequest)
+    assert isinstance(outcomes[2], InvalidRequest)
+    assert isinstance(outcomes[3], Exception) and "not loaded" in str(outcomes[3])
+    _assert_same(_decode(outcomes[1]), _decode(engine.sample(good)))
