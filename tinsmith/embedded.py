@@ -149,7 +149,7 @@ class System:
                     f"{self.log_dir / (name + '.log')}"
                 )
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM the services, then the nats-server; SIGKILL whatever outlives ``grace_s``."""
         order = [n for n in reversed(SERVICES) if n in self.processes]
         for group in (order, ["nats-server"] if "nats-server" in self.processes else []):

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 # Results (forward_backward outputs, samples) are kept this long for the SDK to fetch.
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
-SHUTDOWN_TIMEOUT_S = 5.0
+SHUTDOWN_TIMEOUT_S = 15.0
 
 
 def nats_url() -> str:

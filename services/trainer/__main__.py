@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from tinsmith import runtime
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
@@ -11,7 +13,7 @@ from .engine import TrainerEngine
 from .handlers import Trainer
 
 
-async def start(bus: Bus) -> None:
+async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = TrainerConfig.from_env()
     trainer = Trainer(
         bus,
@@ -20,6 +22,7 @@ async def start(bus: Bus) -> None:
         config.idle_unload_s,
     )
     await trainer.start()
+    return trainer.stop
 
 
 if __name__ == "__main__":

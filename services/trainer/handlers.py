@@ -83,6 +83,15 @@ class Trainer:
         )
         self.bus.spawn(self._reap_idle_runs())
 
+    async def stop(self) -> None:
+        """On a graceful stop, snapshot and unload every run still in memory, so the next
+        trainer restores each one on its next request: stopping loses no run."""
+        for model_id, queue in list(self.queues.items()):
+            while queue.busy:  # let a running step (or an idle unload) finish first
+                await asyncio.sleep(0.05)
+            if not queue.snapshot_key:
+                await self._unload(model_id, queue)
+
     async def _on_heartbeat(self, payload: bytes) -> None:
         self.last_seen[payload.decode()] = time.monotonic()
 

@@ -1,5 +1,6 @@
 """A run whose session stops heart-beating is snapshotted and unloaded; its next call restores
-it without the client noticing, even when the whole system restarted in between."""
+it without the client noticing. A stopping trainer snapshots the runs it holds, so they come
+back after the whole system restarts."""
 
 from __future__ import annotations
 
@@ -61,20 +62,12 @@ def test_idle_runs_come_back_exactly_also_after_a_restart(tmp_path: Path) -> Non
         _wait_for_snapshot(tmp_path, training.model_id)  # heartbeats come every 10 s: idle
         _steps(training, range(2, 4))  # restored on this call
 
-        first_snapshots = len(
-            list((tmp_path / "blobs/runs" / training.model_id / "snapshots").iterdir())
-        )
-        deadline = time.monotonic() + 30
-        while (
-            len(list((tmp_path / "blobs/runs" / training.model_id / "snapshots").iterdir()))
-            == first_snapshots
-        ):
-            assert time.monotonic() < deadline, "the restored run was not unloaded again"
-            time.sleep(0.2)
     finally:
         stop_system(system)
 
-    system = start_system(tmp_path, port=port, env=IDLE)  # a new trainer process, same log
+    # The run was in memory when the system stopped: the trainer snapshotted it on the way out,
+    # and a new trainer process restores it from the log.
+    system = start_system(tmp_path, port=port, env=IDLE)
     try:
         _steps(training, range(4, 6))  # the same client object: nothing to notice
         got = _adapter(tmp_path, training.save_state("six").result().path)
