@@ -1,0 +1,1 @@
+"""Example programs that drive tinsmith (or any Tinker service) through the official SDK."""
