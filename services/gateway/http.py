@@ -97,7 +97,10 @@ def build_app(gateway: Gateway) -> web.Application:
         result, media_type = await gateway.retrieve_future(await _json(request))
         if isinstance(result, bytes):
             return web.Response(body=result, content_type=media_type)
-        return web.json_response(result)
+        # A future still pending after the long poll: 408 makes the SDK re-poll at once, like a
+        # 200 try_again, without logging a warning for every poll of a long step.
+        status = 408 if result.get("type") == "try_again" else 200
+        return web.json_response(result, status=status)
 
     async def get_sampler(request: web.Request) -> web.StreamResponse:
         return web.json_response(gateway.get_sampler(request.match_info["id"]))

@@ -85,7 +85,7 @@ def test_a_run_waiting_for_a_seq_id_does_not_hold_up_another_run(
         pending = http.post(
             "/retrieve_future", json={"request_id": later["request_id"]}, timeout=60
         )
-        assert pending.json()["type"] == "try_again"
+        assert pending.status_code == 408 and pending.json()["type"] == "try_again"
         first = http.post(
             "/optim_step", json={"model_id": stuck.model_id, "seq_id": 1, "adam_params": adam}
         ).json()
