@@ -122,14 +122,7 @@ class Gateway:
             optimizer="adamw",
             user_metadata=wire.str_map(body, "user_metadata"),
         )
-        return await self._accept(
-            bus.RequestAccepted(
-                request_id=events.request_id(model_id, 0),
-                aggregate_id=model_id,
-                seq_id=0,
-                create_model=command,
-            )
-        )
+        return await self._accept_new_run(model_id, command)
 
     async def load_weights(self, body: JsonDict) -> JsonDict:
         """Two forms: create a run from a checkpoint (``session_id`` + ``model_seq_id``, sent by
@@ -178,14 +171,7 @@ class Gateway:
             load_optimizer=with_optimizer,
             load_path=path,
         )
-        return await self._accept(
-            bus.RequestAccepted(
-                request_id=events.request_id(model_id, 0),
-                aggregate_id=model_id,
-                seq_id=0,
-                create_model=command,
-            )
-        )
+        return await self._accept_new_run(model_id, command)
 
     async def _loadable(
         self, path: str, with_optimizer: bool, base_model: str | None
@@ -426,6 +412,16 @@ class Gateway:
         if sampler is None:
             raise NotFound(f"no sampler {sampler_id!r}; create one with create_sampling_session")
         return sampler
+
+    async def _accept_new_run(self, model_id: str, command: bus.CreateModel) -> JsonDict:
+        """A run's creation is its request 0."""
+        accepted = bus.RequestAccepted(
+            request_id=events.request_id(model_id, 0),
+            aggregate_id=model_id,
+            seq_id=0,
+            create_model=command,
+        )
+        return await self._accept(accepted)
 
     def _new_run(self, body: JsonDict) -> tuple[jobs.SessionState, str, JsonDict | None]:
         """The session and model_id of a run being created (the SDK derives the id as

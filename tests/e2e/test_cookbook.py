@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import RunningSystem, start_system, stop_system
-from tests.cookbook_env import ensure_cookbook_venv, example_conversations
+from tests.cookbook_env import example_conversations
 from tinsmith import models
 
 RUN_TIMEOUT_S = 300
@@ -103,11 +103,6 @@ def _recipe(
         metrics=_jsonl(log_path / "metrics.jsonl")[metrics_before:],
         checkpoints=_jsonl(log_path / "checkpoints.jsonl")[checkpoints_before:],
     )
-
-
-@pytest.fixture(scope="module")
-def cookbook_python() -> Path:
-    return ensure_cookbook_venv()
 
 
 @pytest.fixture(scope="module")

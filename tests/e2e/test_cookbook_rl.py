@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 
 from tests.conftest import RunningSystem, start_system, stop_system
-from tests.cookbook_env import ensure_cookbook_venv
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2, tinker_public_pb2
 from tinsmith.bus import Bus
@@ -117,11 +116,6 @@ async def _read_server_log(system: RunningSystem) -> ServerLog:
         return server
     finally:
         await bus.close()
-
-
-@pytest.fixture(scope="module")
-def cookbook_python() -> Path:
-    return ensure_cookbook_venv()
 
 
 @pytest.fixture(scope="module")
