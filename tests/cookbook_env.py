@@ -209,3 +209,17 @@ def example_conversations(python: Path) -> Path:
     if not path.is_file():
         raise FileNotFoundError(path)
     return path
+
+
+def user_environment(work: Path, api_key: str) -> dict[str, str]:
+    """A user's shell for a recipe: nothing from the server's environment, nothing cached from
+    the hub, the API key set, and the SDK's telemetry left at its default (on)."""
+    unset = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_TELEMETRY")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    return env | {
+        "TINKER_API_KEY": api_key,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(work / "hf-home"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import RunningSystem, start_system, stop_system
-from tests.cookbook_env import example_conversations
+from tests.cookbook_env import example_conversations, user_environment
 from tinsmith import models
 
 RUN_TIMEOUT_S = 300
@@ -59,17 +58,7 @@ def _recipe(
 ) -> RecipeRun:
     metrics_before = len(_jsonl(log_path / "metrics.jsonl"))
     checkpoints_before = len(_jsonl(log_path / "checkpoints.jsonl"))
-    # A user's shell: nothing from the server's environment, nothing cached from the hub, and the
-    # SDK's telemetry left at its default (on).
-    unset = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_TELEMETRY")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    env |= {
-        "TINKER_API_KEY": "tml-cookbook-e2e",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HOME": str(work / "hf-home"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = user_environment(work, "tml-cookbook-e2e")
     command = [
         str(python),
         "-m",

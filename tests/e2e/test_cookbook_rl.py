@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import subprocess
 from collections import Counter
@@ -26,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import RunningSystem, start_system, stop_system
+from tests.cookbook_env import user_environment
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2, tinker_public_pb2
 from tinsmith.bus import Bus
@@ -131,16 +131,7 @@ def run(
 ) -> RecipeRun:
     work = tmp_path_factory.mktemp("cookbook-rl")
     log_path = work / "math_rl"
-    # A user's shell: nothing from the server's environment, nothing cached from the hub.
-    unset = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_TELEMETRY")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    env |= {
-        "TINKER_API_KEY": "tml-cookbook-rl-e2e",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HOME": str(work / "hf-home"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = user_environment(work, "tml-cookbook-rl-e2e")
     command = [
         str(cookbook_python),
         "-m",
