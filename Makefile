@@ -39,3 +39,27 @@ proto: setup
 
 up: setup
 	$(BIN)/tinsmith up
+
+# Container images, built from the repository root with services/<name>/Dockerfile, tagged as
+# deploy/kustomize/base names them. `make images`: the CPU images of the four services.
+# `make images-cuda`: the trainer and the sampler on CUDA, and the sampler on vLLM (CUDA).
+IMAGE_REPO ?= tinsmith
+IMAGE_TAG ?= 0.1.0
+DOCKER ?= docker
+CUDA_TORCH_INDEX := https://pypi.org/simple
+
+.PHONY: images images-cuda
+
+images:
+	$(DOCKER) build -f services/gateway/Dockerfile -t $(IMAGE_REPO)/gateway:$(IMAGE_TAG) .
+	$(DOCKER) build -f services/checkpoint/Dockerfile -t $(IMAGE_REPO)/checkpoint:$(IMAGE_TAG) .
+	$(DOCKER) build -f services/trainer/Dockerfile -t $(IMAGE_REPO)/trainer:$(IMAGE_TAG) .
+	$(DOCKER) build -f services/sampler/Dockerfile -t $(IMAGE_REPO)/sampler:$(IMAGE_TAG) .
+
+images-cuda:
+	$(DOCKER) build -f services/trainer/Dockerfile --build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX) \
+		-t $(IMAGE_REPO)/trainer-cuda:$(IMAGE_TAG) .
+	$(DOCKER) build -f services/sampler/Dockerfile --target torch \
+		--build-arg TORCH_INDEX_URL=$(CUDA_TORCH_INDEX) -t $(IMAGE_REPO)/sampler-cuda:$(IMAGE_TAG) .
+	$(DOCKER) build -f services/sampler/Dockerfile --target vllm \
+		-t $(IMAGE_REPO)/sampler-vllm:$(IMAGE_TAG) .

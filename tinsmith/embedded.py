@@ -26,7 +26,7 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from tinsmith import bus, subjects
+from tinsmith import bus, health, subjects
 
 SERVICES = ("checkpoint", "trainer", "sampler", "gateway")
 _PR_SET_PDEATHSIG = 1
@@ -90,6 +90,9 @@ class System:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
         }
+        # Four services on one machine would contend for one health port; the launcher checks
+        # readiness over NATS instead (the health endpoint is for Kubernetes probes).
+        env.pop(health.PORT_VARIABLE, None)
         for name in SERVICES:
             self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], env)
         await self._wait_ready(timeout_s)

@@ -1,20 +1,32 @@
-"""How a service process runs: connect to NATS, make sure the streams exist, start, answer the
-readiness ping, and stop cleanly on SIGINT or SIGTERM.
+"""How a service process runs: parse its command line (``--help`` only), serve its health
+endpoint, connect to NATS, make sure the streams exist, start, answer the readiness ping, and stop
+cleanly on SIGINT or SIGTERM.
+
+Readiness means: connected to NATS, and ``start`` finished, which for the trainer and the sampler
+includes loading the base models named in ``TINSMITH_BASE_MODELS`` (``preload_base_models``). On a
+stop signal the process reports not ready first, so a load balancer stops sending it work.
 
 Owns: the lifecycle shared by the four services, so that each ``__main__`` is wiring only. Does
-not own: any service's behaviour.
+not own: any service's behaviour, or the health server itself (``tinsmith/health.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from tinsmith import subjects
+from nats.errors import Error as NatsError
+
+from tinsmith import health, models, subjects
 from tinsmith.bus import Bus
+from tinsmith.compute import ComputeThread
+from tinsmith.failures import TinsmithError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +49,28 @@ def results_max_age_s() -> float:
     return float(os.environ.get("TINSMITH_RESULTS_MAX_AGE_S", DEFAULT_RESULTS_MAX_AGE_S))
 
 
+def base_models() -> tuple[str, ...]:
+    """The base models to load at start-up, from ``TINSMITH_BASE_MODELS`` (comma-separated names
+    as the model registry knows them). Empty: each loads on its first use."""
+    raw = os.environ.get("TINSMITH_BASE_MODELS", "")
+    names = tuple(dict.fromkeys(name.strip() for name in raw.split(",") if name.strip()))
+    for name in names:
+        try:
+            models.get(name)
+        except TinsmithError as exc:
+            raise SystemExit(f"TINSMITH_BASE_MODELS: {exc}") from None
+    return names
+
+
+async def preload_base_models(compute: ComputeThread, load_base: Callable[[str], None]) -> None:
+    """Load every model of ``TINSMITH_BASE_MODELS`` with ``load_base`` on the compute thread
+    (all torch work of a process runs there), one after another, before the service starts."""
+    for name in base_models():
+        began = time.monotonic()
+        await compute.run(load_base, name)
+        log.info("base model %s loaded in %.1f s", name, time.monotonic() - began)
+
+
 def configure_logging() -> None:
     logging.basicConfig(
         level=os.environ.get("TINSMITH_LOG_LEVEL", "INFO").upper(),
@@ -44,20 +78,89 @@ def configure_logging() -> None:
     )
 
 
-def run(name: str, start: Callable[[Bus], Awaitable[Callable[[], Awaitable[None]] | None]]) -> None:
-    """Run service ``name`` until a signal: ``start(bus)`` sets it up and may return a cleanup."""
+Start = Callable[[Bus], Awaitable[Callable[[], Awaitable[None]] | None]]
+
+_EPILOG = """\
+configuration comes from the environment: TINSMITH_NATS_URL (required), TINSMITH_HEALTH_PORT
+(/livez and /readyz; unset: no health server), TINSMITH_LOG_LEVEL, and the service's own
+TINSMITH_* variables (README.md, docs/deploy.md). Stop with SIGINT or SIGTERM."""
+
+
+def run(name: str, start: Start, description: str | None = None) -> None:
+    """Run service ``name`` until a signal: ``start(bus)`` sets it up and may return a cleanup.
+
+    The command line takes no arguments; ``--help`` prints what the service is and how it is
+    configured, and exits without connecting to anything."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{name}",
+        description=description,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args()
     configure_logging()
     asyncio.run(_main(name, start))
 
 
-async def _main(
-    name: str, start: Callable[[Bus], Awaitable[Callable[[], Awaitable[None]] | None]]
-) -> None:
+@dataclass
+class _Lifecycle:
+    """What readiness looks at."""
+
+    bus: Bus | None = None
+    started: bool = False
+    stopping: bool = False
+
+    def connected(self) -> bool:
+        return self.bus is not None and self.bus.nc.is_connected
+
+    def serving(self) -> bool:
+        return self.started and not self.stopping
+
+
+async def _main(name: str, start: Start) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(nats_url(), name=f"tinsmith-{name}")
+    state = _Lifecycle()
+    server = health.HealthServer(name)
+    server.add_check("nats", state.connected)
+    server.add_check("started", state.serving)
+    port = health.port_from_env()
+    if port is not None:  # first, so liveness answers while NATS or a model load is awaited
+        await server.start(port)
+    try:
+        await _serve(name, start, stop, state)
+    finally:
+        await server.stop()
+
+
+async def _serve(name: str, start: Start, stop: asyncio.Event, state: _Lifecycle) -> None:
+    # A stop signal while starting (NATS unreachable, a long model load) ends the start-up.
+    starting = asyncio.create_task(_start(name, start, state))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not starting.done():
+        starting.cancel()
+        log.info("%s stopped while starting", name)
+        if state.bus is not None:
+            await _close(name, None, state.bus)
+        return
+    cleanup = starting.result()
+    state.started = True
+    log.info("%s ready", name)
+    await stop.wait()
+    state.stopping = True
+    log.info("%s stopping", name)
+    assert state.bus is not None
+    await _close(name, cleanup, state.bus)
+
+
+async def _start(
+    name: str, start: Start, state: _Lifecycle
+) -> Callable[[], Awaitable[None]] | None:
+    bus = state.bus = await Bus.connect(nats_url(), name=f"tinsmith-{name}")
     await bus.ensure_streams(results_max_age_s())
     cleanup = await start(bus)
 
@@ -65,14 +168,18 @@ async def _main(
         return b"ok"
 
     await bus.serve(subjects.ping_subject(name), pong)
-    log.info("%s ready", name)
-    await stop.wait()
-    log.info("%s stopping", name)
+    return cleanup
+
+
+async def _close(name: str, cleanup: Callable[[], Awaitable[None]] | None, bus: Bus) -> None:
     # Bounded: when NATS itself is gone (it may be stopping too), draining would wait forever.
     try:
         async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
             if cleanup is not None:
                 await cleanup()
-            await bus.close()
+            try:
+                await bus.close()
+            except NatsError as exc:  # NATS is gone: nothing left to drain
+                log.warning("%s: could not drain the NATS connection: %r", name, exc)
     except TimeoutError:
         log.warning("%s: shutdown took over %.0f s; exiting anyway", name, SHUTDOWN_TIMEOUT_S)

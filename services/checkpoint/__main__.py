@@ -1,4 +1,8 @@
-"""`python -m services.checkpoint`: the checkpoint catalog service (wiring only)."""
+"""`python -m services.checkpoint`: the checkpoint catalog service (wiring only).
+
+Keeps the catalog of sessions, training runs and checkpoints as read models of the event log, and
+answers the gateway's catalog queries over NATS.
+"""
 
 from __future__ import annotations
 
@@ -20,4 +24,4 @@ async def start(bus: Bus) -> None:
 
 
 if __name__ == "__main__":
-    runtime.run("checkpoint", start)
+    runtime.run("checkpoint", start, __doc__)

@@ -1,4 +1,8 @@
-"""`python -m services.gateway`: the HTTP gateway (wiring only)."""
+"""`python -m services.gateway`: the HTTP gateway (wiring only).
+
+Speaks the Tinker API on TINSMITH_HOST:TINSMITH_PORT: turns each call into an event on NATS and
+answers the SDK's future polls from its projection of the log. Stateless: run any number.
+"""
 
 from __future__ import annotations
 
@@ -26,4 +30,4 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
 
 
 if __name__ == "__main__":
-    runtime.run("gateway", start)
+    runtime.run("gateway", start, __doc__)

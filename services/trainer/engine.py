@@ -52,6 +52,7 @@ class TrainerEngine:
         self.cache_dir = cache_dir
         self.threads = threads
         self.bases: dict[str, PeftModel] = {}
+        self._unwrapped: dict[str, PreTrainedModel] = {}  # loaded ahead, no run on them yet
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Run] = {}
         self._active: dict[str, str] = {}  # base model -> the adapter currently active on it
@@ -59,6 +60,20 @@ class TrainerEngine:
     def init_compute_thread(self) -> None:
         """Run on the compute thread before any work: torch's thread count is per thread."""
         torch.set_num_threads(self.threads)
+
+    def load_base(self, name: str) -> None:
+        """Load base model ``name`` now (the start-up preload), so its first run does not wait
+        for it; the PEFT wrapping waits for that run's adapter."""
+        if name not in self.bases and name not in self._unwrapped:
+            self._unwrapped[name] = self._load_base(name)
+
+    def _load_base(self, name: str) -> PreTrainedModel:
+        directory = models.materialize(name, self.cache_dir)
+        base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        base.requires_grad_(False)
+        base.eval()  # type: ignore[no-untyped-call]
+        self.model_dirs[name] = directory
+        return base
 
     # -- runs ----------------------------------------------------------------------------------
 
@@ -146,15 +161,11 @@ class TrainerEngine:
     def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
         peft_model = self.bases.get(base_model)
         if peft_model is None:
-            directory = models.materialize(base_model, self.cache_dir)
-            base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-                directory, dtype=torch.float32
-            )
-            base.requires_grad_(False)
-            base.eval()  # type: ignore[no-untyped-call]
+            base = self._unwrapped.pop(base_model, None)
+            if base is None:
+                base = self._load_base(base_model)
             peft_model = get_peft_model(base, config, adapter_name=adapter)
             self.bases[base_model] = peft_model
-            self.model_dirs[base_model] = directory
         else:
             peft_model.add_adapter(adapter, config)
         return peft_model
