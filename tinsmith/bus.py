@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -55,9 +57,11 @@ class Delivery:
 class Bus:
     """A connection to NATS with JetStream, and the few patterns tinsmith uses on it."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, name: str = "") -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=10.0)
+        # This process among the replicas of its service, as events record who did the work.
+        self.replica = f"{name}@{socket.gethostname()}:{os.getpid()}"
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -65,7 +69,7 @@ class Bus:
         nc = await nats.connect(
             url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5
         )
-        return cls(nc)
+        return cls(nc, name)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -145,9 +149,14 @@ class Bus:
         *,
         batch: int,
         ack_wait_s: float,
+        room: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         """Run a durable pull consumer shared by every replica of a service: each message goes to
-        one replica, and one that is not acked within ``ack_wait_s`` is delivered again."""
+        one replica, and one that is not acked within ``ack_wait_s`` is delivered again.
+
+        Each fetch takes up to ``batch`` messages; with ``room``, up to what ``await room()``
+        returns (it waits until there is room), so a replica takes only what it can start on
+        and leaves the rest to the others."""
         config = api.ConsumerConfig(
             durable_name=durable,
             ack_policy=api.AckPolicy.EXPLICIT,
@@ -160,9 +169,10 @@ class Bus:
 
         async def loop() -> None:
             while True:
+                wanted = batch if room is None else max(1, min(batch, await room()))
                 try:
                     # A long-held pull request: the server answers as soon as messages arrive.
-                    msgs = await sub.fetch(batch, timeout=30)
+                    msgs = await sub.fetch(wanted, timeout=30)
                 except TimeoutError:
                     continue
                 except Exception:

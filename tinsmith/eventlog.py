@@ -71,6 +71,7 @@ class EventLog:
             result_seq=seq,
             media_type=media_type,
             compute_seconds=compute_seconds,
+            replica=self.bus.replica,
         )
         await self.append(
             events.make(request_completed=done),

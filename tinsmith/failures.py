@@ -5,7 +5,8 @@ code, a Tinker failure category, and back from the bus. Does not own: deciding *
 is an error; each service raises the kind that fits.
 
 Permanent errors reach the SDK as 400/404/422 with ``{"detail": ...}``: the SDK retries
-408/409/429/5xx for minutes, so a permanent error must never use those codes.
+408/409/429/5xx for minutes, so a permanent error must never use those codes. A full queue is a
+429 (``Overloaded``).
 """
 
 from __future__ import annotations
@@ -70,12 +71,23 @@ class Unavailable(TinsmithError):
     category = Category.SERVER
 
 
+class Overloaded(TinsmithError):
+    """Accepting more now would queue it past the bound: back off and send it again (HTTP 429,
+    which the SDK answers by waiting and resubmitting, without raising)."""
+
+    kind = "overloaded"
+    http_status = 429
+    grpc_code = "RESOURCE_EXHAUSTED"
+    category = Category.SERVER
+
+
 class InternalError(TinsmithError):
     """A bug or an unexpected failure inside tinsmith."""
 
 
 _KINDS: dict[str, type[TinsmithError]] = {
-    cls.kind: cls for cls in (InvalidRequest, NotFound, Unprocessable, Unavailable, InternalError)
+    cls.kind: cls
+    for cls in (InvalidRequest, NotFound, Unprocessable, Unavailable, Overloaded, InternalError)
 }
 
 

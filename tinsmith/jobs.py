@@ -184,6 +184,8 @@ class Projection:
     requests: dict[str, RequestState] = field(default_factory=dict)
     checkpoints: dict[str, bus.WeightsSaved] = field(default_factory=dict)
     saved_at: dict[str, float] = field(default_factory=dict)  # tinker path -> event time
+    # Sample requests accepted and not yet settled: the depth of the samplers' shared queue.
+    pending_samples: int = 0
     position: int = 0
 
     def apply(self, seq: int, event: bus.Event) -> None:
@@ -196,7 +198,12 @@ class Projection:
             body = getattr(event, kind)
             rid = body.request_id if kind != "request_rejected" else ""
             if rid:
-                _put(self.requests, rid, evolve_request(self.requests.get(rid), event))
+                before = self.requests.get(rid)
+                after = evolve_request(before, event)
+                _put(self.requests, rid, after)
+                if after is not None and after.command == "sample":
+                    was = before is not None and before.status is Status.PENDING
+                    self.pending_samples += int(after.status is Status.PENDING) - int(was)
             agg = body.aggregate_id
             _put(self.runs, agg, evolve_run(self.runs.get(agg), event))
             if kind == "request_accepted" and body.HasField("create_model"):

@@ -15,6 +15,9 @@ class GatewayConfig:
     long_poll_s: float = 25.0
     # The SDK cuts forward_backward requests into chunks below this many bytes.
     max_chunk_bytes: int = 4_000_000
+    # Sample requests accepted but not yet answered, across all samplers, beyond which asample
+    # answers 429 (the SDK backs off and resubmits).
+    sampler_queue_limit: int = 4096
 
     @classmethod
     def from_env(cls) -> GatewayConfig:
@@ -22,4 +25,7 @@ class GatewayConfig:
             host=os.environ.get("TINSMITH_HOST", cls.host),
             port=int(os.environ.get("TINSMITH_PORT", cls.port)),
             long_poll_s=float(os.environ.get("TINSMITH_LONG_POLL_S", cls.long_poll_s)),
+            sampler_queue_limit=int(
+                os.environ.get("TINSMITH_SAMPLER_QUEUE_LIMIT", cls.sampler_queue_limit)
+            ),
         )

@@ -19,7 +19,15 @@ from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.eventlog import EventLog, FollowedProjection
-from tinsmith.failures import InvalidRequest, NotFound, TinsmithError, from_kind, future_failure
+from tinsmith.failures import (
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    TinsmithError,
+    from_kind,
+    future_failure,
+)
+from tinsmith.limits import MAX_TOPK_LOGPROBS
 from tinsmith.tensors import decode_tensor, model_input_tokens
 
 from . import wire
@@ -329,6 +337,12 @@ class Gateway:
         command = self._sample_command(sampler, body)
         sequence_ids = [f"{request_id}:{i}" for i in range(command.num_samples)]
         if request_id not in self.state.requests:
+            queued = self.state.pending_samples
+            if queued >= self.config.sampler_queue_limit:
+                raise Overloaded(
+                    f"the sampling queue is full ({queued} requests waiting, the bound is "
+                    f"{self.config.sampler_queue_limit}); send it again later"
+                )
             accepted = bus.RequestAccepted(
                 request_id=request_id,
                 aggregate_id=sampler.sampler_id,
@@ -351,9 +365,8 @@ class Gateway:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {spec.name} ({spec.max_context_length})"
             )
-        for unsupported in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(unsupported):
-                raise InvalidRequest(f"{unsupported} > 0 is not supported yet; send 0")
+        if body.get("prompt_alt_tokens_k"):
+            raise InvalidRequest("prompt_alt_tokens_k > 0 is not supported; send 0")
         if body.get("target_prompt_logprobs") is not None:
             raise InvalidRequest("target_prompt_logprobs is not supported yet")
         command = bus.Sample(
@@ -363,6 +376,12 @@ class Gateway:
             params=params,
             num_samples=num_samples,
             prompt_logprobs=bool(body.get("prompt_logprobs", False)),
+            topk_prompt_logprobs=wire.req_int(
+                body, "topk_prompt_logprobs", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
+            ),
+            topk_sample_logprobs=wire.req_int(
+                body, "topk_sample_logprobs", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
+            ),
         )
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None:

@@ -44,7 +44,9 @@ def req_int(
     maximum: int | None = None,
     default: int | None = None,
 ) -> int:
-    value = body.get(name, default)
+    value = body.get(name)
+    if value is None:
+        value = default
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"field {name!r} is required and must be an integer")
     if minimum is not None and value < minimum:
@@ -158,7 +160,7 @@ def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
         stop = [stop]
     if stop is None:
         pass  # stop at end-of-sequence
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+    elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
         if any(s == "" for s in stop):
             raise InvalidRequest("stop strings must not be empty")
         params.stop_strs.values.extend(stop)

@@ -1,19 +1,25 @@
-"""The sampler's work loop: accepted sample requests from the shared queue, adapters fetched
-from the object store by key, results and completions appended to the log.
+"""The sampler's work loop: accepted sample requests from the queue that all replicas share,
+adapters fetched from the object store by key, results and completions appended to the log.
 
-All the requests of one fetch from the queue (up to ``SamplerConfig.batch``) run as one engine
-batch; each is then settled and acked on its own, so one bad request fails alone. Requests that
-arrive while a batch runs wait for the next fetch.
+Continuous batching: a replica holds up to ``SamplerConfig.batch`` requests and takes more from
+the queue as they finish, so a request that arrives while others decode joins them at the next
+step, and replicas split the load between them. Each request is settled and acked on its own, once
+its outcome is durable, so one bad request fails alone and a replica that dies loses nothing: what
+it held is delivered to another once its ack deadline passes (a replica that stops cleanly hands
+its requests back at once).
 
-Owns: taking work, fetching adapters, acking once the outcome is durable. Does not own: the
-sampling math (engine.py).
+Owns: taking work, fetching adapters, driving the engine's steps, acking. Does not own: the
+sampling itself (the engines).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinsmith import events, subjects
@@ -25,138 +31,140 @@ from tinsmith.eventlog import PROTOBUF, EventLog
 from tinsmith.failures import NotFound
 
 from .config import SamplerConfig
-from .engine import MAX_ADAPTERS, SamplerEngine
+from .engine import AdapterMissing, Engine
 
 log = logging.getLogger(__name__)
 
-# How often a running batch extends its requests' ack deadline (the consumer's is 300 s).
-_KEEP_ALIVE_S = 60.0
 
-
-def _chunks(
-    accepted: list[tuple[Delivery, bus.RequestAccepted]],
-) -> list[list[tuple[Delivery, bus.RequestAccepted]]]:
-    """Split a fetch so that no batch needs more adapters than the engine keeps loaded (else
-    loading one would evict another that the same batch needs)."""
-    chunks: list[list[tuple[Delivery, bus.RequestAccepted]]] = []
-    keys: set[tuple[str, str]] = set()
-    for item in accepted:
-        key = (item[1].sample.base_model, item[1].sample.adapter_key)
-        if not chunks or (key not in keys and len(keys) >= MAX_ADAPTERS):
-            chunks.append([])
-            keys = set()
-        chunks[-1].append(item)
-        if key[1]:
-            keys.add(key)
-    return chunks
+@dataclass
+class _Held:
+    delivery: Delivery
+    accepted: bus.RequestAccepted
+    outcome: asyncio.Future[bytes | Exception] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class Sampler:
-    def __init__(self, bus_: Bus, engine: SamplerEngine, blobs: BlobStore, config: SamplerConfig):
+    def __init__(self, bus_: Bus, engine: Engine, blobs: BlobStore, config: SamplerConfig):
         self.bus = bus_
         self.log = EventLog(bus_)
         self.engine = engine
         self.blobs = blobs
         self.config = config
         self.compute = ComputeThread("sampler-compute", engine.init_compute_thread)
+        self._held: dict[int, _Held] = {}
+        self._tickets = itertools.count()
+        self._work = asyncio.Event()  # set when the engine was given something
+        self._room = asyncio.Event()  # set when a held request was let go
+        self._stopping = False
 
     async def start(self) -> None:
+        self.bus.spawn(self._drive())
+        self.bus.spawn(self._keep_alive())
         await self.bus.consume(
             subjects.EVENTS_STREAM,
             subjects.SAMPLER_CONSUMER,
             subjects.events_of("sampler"),
             self._on_deliveries,
             batch=self.config.batch,
-            ack_wait_s=300.0,
+            ack_wait_s=self.config.ack_wait_s,
+            room=self._wait_for_room,
         )
+
+    async def stop(self) -> None:
+        """Hand every request not yet answered back to the queue, for another replica now."""
+        self._stopping = True
+        for held in list(self._held.values()):
+            with contextlib.suppress(Exception):
+                await held.delivery.nak()
+        self.compute.shutdown()
+
+    async def _wait_for_room(self) -> int:
+        while len(self._held) >= self.config.batch or self._stopping:
+            self._room.clear()
+            await self._room.wait()
+        return self.config.batch - len(self._held)
 
     async def _on_deliveries(self, deliveries: list[Delivery]) -> None:
-        """Run all the sample requests of a fetch as one batch, then settle and ack each on its
-        own: one request's failure (a missing adapter, a bad prompt) does not fail the others."""
-        accepted: list[tuple[Delivery, bus.RequestAccepted]] = []
         for delivery in deliveries:
             event = events.decode(delivery.data)
-            if events.kind_of(event) == "request_accepted":
-                accepted.append((delivery, event.request_accepted))
-            else:
-                await delivery.ack()
-        for chunk in _chunks(accepted):
-            await self._execute(chunk)
+            if events.kind_of(event) != "request_accepted" or self._stopping:
+                if self._stopping:
+                    await delivery.nak()
+                else:
+                    await delivery.ack()
+                continue
+            ticket = next(self._tickets)
+            self._held[ticket] = _Held(delivery, event.request_accepted)
+            self.bus.spawn(self._serve(ticket))
 
-    async def _execute(self, chunk: list[tuple[Delivery, bus.RequestAccepted]]) -> None:
-        loop = asyncio.get_running_loop()
-        batch: asyncio.Future[list[bytes | Exception]] = loop.create_future()
+    async def _serve(self, ticket: int) -> None:
+        """One request from admission to ack. Its compute time is from admission to its last
+        token: it shared the engine with others all along."""
+        held = self._held[ticket]
 
-        async def run() -> None:
-            try:
-                batch.set_result(await self._run_batch([a.sample for _, a in chunk]))
-            except Exception as exc:
-                batch.set_exception(exc)
+        async def work() -> tuple[bytes, str]:
+            await self._admit(ticket, held.accepted.sample)
+            outcome = await held.outcome
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome, PROTOBUF
 
-        async def settle(index: int, delivery: Delivery, accepted: bus.RequestAccepted) -> None:
-            async def work() -> tuple[bytes, str]:
-                # Each request's compute time is the batch's: it ran for all of that time.
-                outcome = (await asyncio.shield(batch))[index]
-                if isinstance(outcome, Exception):
-                    raise outcome
-                return outcome, PROTOBUF
+        try:
+            await self.log.settle(
+                held.accepted, work, request_aggregate="sampler", worker="sampler"
+            )
+            await held.delivery.ack()
+        finally:
+            del self._held[ticket]
+            self._room.set()
 
-            await self.log.settle(accepted, work, request_aggregate="sampler", worker="sampler")
-            await delivery.ack()
-
-        results = await asyncio.gather(
-            run(),
-            self._keep_alive([d for d, _ in chunk], batch),
-            *(settle(i, d, a) for i, (d, a) in enumerate(chunk)),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _run_batch(self, commands: list[bus.Sample]) -> list[bytes | Exception]:
-        """Fetch the adapters the requests need, then sample all that can run in one engine
-        call; a request that cannot run gets its exception in its place."""
-        outcomes: list[bytes | Exception | None] = [None] * len(commands)
-        for i, command in enumerate(commands):
-            if command.adapter_key:
+    async def _admit(self, ticket: int, command: bus.Sample) -> None:
+        """Give the engine the request, with its adapter from the object store if the engine
+        does not hold it."""
+        try:
+            await self.compute.run(self.engine.add, ticket, command)
+        except AdapterMissing:
+            with tempfile.TemporaryDirectory(prefix="tinsmith-adapter-") as tmp:
                 try:
-                    await self._ensure_adapter(command.base_model, command.adapter_key)
-                except Exception as exc:
-                    outcomes[i] = exc
-        runnable = [i for i, outcome in enumerate(outcomes) if outcome is None]
-        if runnable:
-            try:
-                results = await self.compute.run(
-                    self.engine.sample_batch, [commands[i] for i in runnable]
-                )
-            except Exception as exc:
-                results = [exc] * len(runnable)
-            for i, result in zip(runnable, results, strict=True):
-                outcomes[i] = result
-        return [outcome if outcome is not None else RuntimeError("not run") for outcome in outcomes]
+                    await self.blobs.get_dir(command.adapter_key, Path(tmp))
+                except FileNotFoundError as exc:
+                    raise NotFound(
+                        f"the adapter weights at {command.adapter_key!r} are gone: {exc}"
+                    ) from exc
+                await self.compute.run(self.engine.add, ticket, command, Path(tmp))
+        self._work.set()
 
-    async def _keep_alive(
-        self, deliveries: list[Delivery], batch: asyncio.Future[list[bytes | Exception]]
-    ) -> None:
-        """While a long batch runs, tell JetStream its requests are in progress, so none is
-        delivered again meanwhile."""
+    def _step(self) -> tuple[list[tuple[int, bytes | Exception]], bool]:
+        finished = self.engine.step()
+        return finished, self.engine.has_work()
+
+    async def _drive(self) -> None:
+        """Step the engine while it has work; requests admitted meanwhile join at the next step
+        (their ``add`` runs on the compute thread between two steps)."""
         while True:
-            await asyncio.wait([batch], timeout=_KEEP_ALIVE_S)
-            if batch.done():
-                return
-            for delivery in deliveries:
+            await self._work.wait()
+            self._work.clear()
+            busy = True
+            while busy:
                 try:
-                    await delivery.in_progress()
-                except Exception:
-                    log.warning("could not extend the ack deadline of %d", delivery.stream_seq)
+                    finished, busy = await self.compute.run(self._step)
+                except Exception as exc:  # a bug in the engine: fail what it holds, keep serving
+                    log.exception("a sampling step failed")
+                    finished, busy = [(t, exc) for t in self._held], False
+                for ticket, outcome in finished:
+                    held = self._held.get(ticket)
+                    if held is not None and not held.outcome.done():
+                        held.outcome.set_result(outcome)
 
-    async def _ensure_adapter(self, base_model: str, key: str) -> None:
-        if await self.compute.run(self.engine.has_adapter, base_model, key):
-            return
-        with tempfile.TemporaryDirectory(prefix="tinsmith-adapter-") as tmp:
-            try:
-                await self.blobs.get_dir(key, Path(tmp))
-            except FileNotFoundError as exc:
-                raise NotFound(f"the adapter weights at {key!r} are gone: {exc}") from exc
-            await self.compute.run(self.engine.load_adapter, base_model, key, Path(tmp))
+    async def _keep_alive(self) -> None:
+        """Tell JetStream that the requests this replica holds are in progress, so none is
+        delivered to another replica while this one is alive."""
+        while True:
+            await asyncio.sleep(self.config.ack_wait_s / 3)
+            for held in list(self._held.values()):
+                try:
+                    await held.delivery.in_progress()
+                except Exception:
+                    log.warning("could not extend the ack deadline of %d", held.delivery.stream_seq)

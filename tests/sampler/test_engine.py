@@ -11,7 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from services.sampler.engine import SamplerEngine
+from services.sampler.engine import run_all
+from services.sampler.torch_engine import TorchEngine
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -35,8 +36,8 @@ def _save_adapter(directory: Path, seed: int, modules: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> SamplerEngine:
-    engine = SamplerEngine(models.default_cache_dir())
+def engine(tmp_path_factory: pytest.TempPathFactory) -> TorchEngine:
+    engine = TorchEngine(models.default_cache_dir())
     for key, seed, modules in (
         ("adapter/a", 1, ["q_proj", "v_proj", "down_proj"]),
         ("adapter/b", 2, ["q_proj", "k_proj", "o_proj", "up_proj", "lm_head"]),
@@ -62,8 +63,10 @@ def _command(
     sampling = tp.SamplingParams(**params)  # type: ignore[arg-type]
     if stop_strs is not None:
         sampling.stop_strs.values.extend(stop_strs)  # type: ignore[arg-type]
+        sampling.stop_strs.SetInParent()
     if stop_tokens is not None:
         sampling.stop_tokens.values.extend(stop_tokens)  # type: ignore[arg-type]
+        sampling.stop_tokens.SetInParent()
     command = bus.Sample(
         base_model=BASE,
         adapter_key=adapter,
@@ -75,6 +78,10 @@ def _command(
     if last_n is not None:
         command.prompt_logprobs_last_n = last_n
     return command
+
+
+def _one(engine: TorchEngine, command: bus.Sample) -> bytes | Exception:
+    return run_all(engine, [command])[0]
 
 
 def _decode(body: bytes | Exception) -> tp.SampleResponse:
@@ -117,43 +124,43 @@ def _mixed_batch() -> list[bus.Sample]:
     ]
 
 
-def test_a_mixed_batch_gives_each_request_what_it_gets_alone(engine: SamplerEngine) -> None:
+def test_a_mixed_batch_gives_each_request_what_it_gets_alone(engine: TorchEngine) -> None:
     commands = _mixed_batch()
-    batched = [_decode(body) for body in engine.sample_batch(commands)]
+    batched = [_decode(body) for body in run_all(engine, commands)]
     for command, response in zip(commands, batched, strict=True):
-        _assert_same(response, _decode(engine.sample(command)))
+        _assert_same(response, _decode(_one(engine, command)))
     # The adapters matter: the same request on another adapter samples something else.
-    a = _decode(engine.sample(_command(_prompt(1, 5), "adapter/a", max_tokens=12, seed=7)))
-    b = _decode(engine.sample(_command(_prompt(1, 5), "adapter/b", max_tokens=12, seed=7)))
-    base = _decode(engine.sample(_command(_prompt(1, 5), "", max_tokens=12, seed=7)))
+    a = _decode(_one(engine, _command(_prompt(1, 5), "adapter/a", max_tokens=12, seed=7)))
+    b = _decode(_one(engine, _command(_prompt(1, 5), "adapter/b", max_tokens=12, seed=7)))
+    base = _decode(_one(engine, _command(_prompt(1, 5), "", max_tokens=12, seed=7)))
     assert len({a.sequences[0].logprobs, b.sequences[0].logprobs, base.sequences[0].logprobs}) == 3
 
 
-def test_sequence_i_does_not_depend_on_num_samples_or_the_batch(engine: SamplerEngine) -> None:
-    one = _decode(engine.sample(_command(_prompt(1, 5), "adapter/a", n=1, max_tokens=12, seed=7)))
-    batched = _decode(engine.sample_batch(_mixed_batch())[0])
+def test_sequence_i_does_not_depend_on_num_samples_or_the_batch(engine: TorchEngine) -> None:
+    one = _decode(_one(engine, _command(_prompt(1, 5), "adapter/a", n=1, max_tokens=12, seed=7)))
+    batched = _decode(run_all(engine, _mixed_batch())[0])
     assert batched.sequences[0].tokens == one.sequences[0].tokens
 
 
-def test_prompt_logprobs_in_a_batch_equal_those_alone(engine: SamplerEngine) -> None:
+def test_prompt_logprobs_in_a_batch_equal_those_alone(engine: TorchEngine) -> None:
     commands = [
         _command(_prompt(11, 19), "adapter/b", prompt_logprobs=True, max_tokens=1, seed=1),
         _command(_prompt(12, 4), "", prompt_logprobs=True, max_tokens=3, seed=2),
         _command(_prompt(13, 9), "adapter/a", prompt_logprobs=True, last_n=4, max_tokens=1, seed=4),
         _command(_prompt(14, 30), "adapter/a", n=2, max_tokens=5, seed=3),
     ]
-    batched = [_decode(body) for body in engine.sample_batch(commands)]
+    batched = [_decode(body) for body in run_all(engine, commands)]
     for command, response in zip(commands, batched, strict=True):
-        _assert_same(response, _decode(engine.sample(command)))
+        _assert_same(response, _decode(_one(engine, command)))
     values = np.frombuffer(batched[2].prompt_logprobs, "<f4")
     assert np.isnan(values[:5]).all() and not np.isnan(values[5:]).any()
     values = np.frombuffer(batched[0].prompt_logprobs, "<f4")
     assert np.isnan(values[0]) and not np.isnan(values[1:]).any()
 
 
-def test_stops_work_inside_a_batch(engine: SamplerEngine) -> None:
+def test_stops_work_inside_a_batch(engine: TorchEngine) -> None:
     probe = _command(_prompt(21, 6), "adapter/a", max_tokens=20, seed=5, stop_tokens=[])
-    free = np.frombuffer(_decode(engine.sample(probe)).sequences[0].tokens, "<i4").tolist()
+    free = np.frombuffer(_decode(_one(engine, probe)).sequences[0].tokens, "<i4").tolist()
     stop_token = free[3]
     first = free.index(stop_token)
     stop_text = engine.bases[BASE].tokenizer.decode(free[:5])[-3:]
@@ -163,7 +170,7 @@ def test_stops_work_inside_a_batch(engine: SamplerEngine) -> None:
         _command(_prompt(22, 13), "adapter/b", n=2, max_tokens=20, seed=6, stop_tokens=[]),
         _command(_prompt(23, 3), "", max_tokens=20, seed=7, stop_tokens=[]),
     ]
-    batched = [_decode(body) for body in engine.sample_batch(commands)]
+    batched = [_decode(body) for body in run_all(engine, commands)]
     by_token = batched[0].sequences[0]
     assert np.frombuffer(by_token.tokens, "<i4").tolist() == free[: first + 1]
     assert by_token.stop_reason == tp.STOP_REASON_STOP
@@ -177,20 +184,92 @@ def test_stops_work_inside_a_batch(engine: SamplerEngine) -> None:
             assert len(np.frombuffer(sequence.tokens, "<i4")) == 20
             assert sequence.stop_reason == tp.STOP_REASON_LENGTH
     for command, response in zip(commands, batched, strict=True):
-        _assert_same(response, _decode(engine.sample(command)))
+        _assert_same(response, _decode(_one(engine, command)))
 
 
-def test_a_bad_request_fails_alone(engine: SamplerEngine) -> None:
+def test_a_bad_request_fails_alone(engine: TorchEngine) -> None:
     good = _command(_prompt(31, 7), "adapter/b", max_tokens=5, seed=1)
-    outcomes = engine.sample_batch(
+    outcomes = run_all(
+        engine,
         [
             _command([], "adapter/a", max_tokens=5),
             good,
             _command([1, 100000], "", max_tokens=5),
             _command(_prompt(32, 4), "adapter/missing", max_tokens=5),
-        ]
+        ],
     )
     assert isinstance(outcomes[0], InvalidRequest)
     assert isinstance(outcomes[2], InvalidRequest)
     assert isinstance(outcomes[3], Exception) and "not loaded" in str(outcomes[3])
-    _assert_same(_decode(outcomes[1]), _decode(engine.sample(good)))
+    _assert_same(_decode(outcomes[1]), _decode(_one(engine, good)))
+
+
+def test_the_adapter_cache_keeps_to_its_memory_bound(tmp_path: Path) -> None:
+    directories = {}
+    for i, key in enumerate(("x/1", "x/2", "x/3", "x/4")):
+        directories[key] = tmp_path / str(i)
+        _save_adapter(directories[key], 10 + i, ["q_proj", "v_proj"])
+    probe = TorchEngine(models.default_cache_dir())
+    probe.load_adapter(BASE, "x/1", directories["x/1"])
+    size = probe.adapter_bytes(BASE)
+    assert size > 0
+
+    engine = TorchEngine(models.default_cache_dir(), adapter_cache_bytes=int(2.5 * size))
+    for key in ("x/1", "x/2", "x/3"):
+        engine.load_adapter(BASE, key, directories[key])
+    assert [engine.has_adapter(BASE, k) for k in ("x/1", "x/2", "x/3")] == [False, True, True]
+    assert engine.adapter_bytes(BASE) <= 2.5 * size
+
+    # An adapter that a queued request uses is not evicted, even when it is the oldest.
+    engine.add(0, _command(_prompt(41, 4), "x/2", max_tokens=3, seed=1))
+    engine.add(1, _command(_prompt(42, 4), "x/4", max_tokens=3, seed=1), directories["x/4"])
+    assert [engine.has_adapter(BASE, k) for k in ("x/2", "x/3", "x/4")] == [True, False, True]
+    outcomes = dict(engine.step())
+    while engine.has_work():
+        outcomes.update(engine.step())
+    assert all(isinstance(outcomes[t], bytes) for t in (0, 1))
+
+
+def test_a_cancelled_request_leaves_and_the_others_go_on(engine: TorchEngine) -> None:
+    kept = _command(_prompt(51, 6), "adapter/a", n=2, max_tokens=10, seed=2, stop_tokens=[])
+    engine.add(0, kept)
+    engine.add(1, _command(_prompt(52, 9), "adapter/b", n=3, max_tokens=10, seed=3))
+    engine.add(2, _command(_prompt(53, 3), "", max_tokens=10, seed=4))
+    engine.cancel(2)  # still queued
+    outcomes = dict(engine.step())
+    engine.cancel(1)  # decoding
+    while engine.has_work():
+        outcomes.update(engine.step())
+    assert set(outcomes) == {0}
+    _assert_same(_decode(outcomes[0]), _decode(_one(engine, kept)))
+
+
+def test_top_k_tables_agree_with_the_logprobs(engine: TorchEngine) -> None:
+    command = _command(_prompt(61, 9), "adapter/b", n=2, max_tokens=7, seed=5, stop_tokens=[])
+    command.topk_sample_logprobs = 4
+    command.topk_prompt_logprobs = 2
+    command.prompt_logprobs = True
+    command.prompt_logprobs_last_n = 3
+    response = _decode(_one(engine, command))
+    prompt = list(command.prompt)
+    ids = np.frombuffer(response.topk_prompt_logprobs.token_ids, "<i4").reshape(-1, 2)
+    values = np.frombuffer(response.topk_prompt_logprobs.logprobs, "<f4").reshape(-1, 2)
+    assert ids.shape == (len(prompt), 2)
+    assert (values[:6] == -99999.0).all() and (values[6:] > -99999.0).all()
+    scored = np.frombuffer(response.prompt_logprobs, "<f4")[6:]
+    for i, (row_ids, row_values) in enumerate(zip(ids[6:], values[6:], strict=True)):
+        # The prompt token's logprob is at most the best one, and equal when it is the best.
+        assert scored[i] <= row_values[0] + 1e-6
+        if prompt[6 + i] == row_ids[0]:
+            assert abs(scored[i] - row_values[0]) < 1e-6
+    for sequence in response.sequences:
+        ids = np.frombuffer(sequence.topk_sampled_logprobs.token_ids, "<i4").reshape(-1, 4)
+        values = np.frombuffer(sequence.topk_sampled_logprobs.logprobs, "<f4").reshape(-1, 4)
+        logprobs = np.frombuffer(sequence.logprobs, "<f4")
+        for token, lp, row_ids, row_values in zip(
+            np.frombuffer(sequence.tokens, "<i4"), logprobs, ids, values, strict=True
+        ):
+            if token in row_ids:
+                assert abs(row_values[list(row_ids).index(token)] - lp) < 1e-6
+            else:
+                assert lp <= row_values[-1] + 1e-6

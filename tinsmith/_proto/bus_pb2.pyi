@@ -112,7 +112,7 @@ class SaveWeights(_message.Message):
     def __init__(self, kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., sampler_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n")
+    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,8 @@ class Sample(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     adapter_key: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -127,7 +129,9 @@ class Sample(_message.Message):
     num_samples: int
     prompt_logprobs: bool
     prompt_logprobs_last_n: int
-    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ...) -> None: ...
+    topk_prompt_logprobs: int
+    topk_sample_logprobs: int
+    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ...) -> None: ...
 
 class SessionCreated(_message.Message):
     __slots__ = ("session_id", "tags", "user_metadata", "project_id", "display_name", "sdk_version")
@@ -197,18 +201,20 @@ class RequestRejected(_message.Message):
     def __init__(self, aggregate_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestCompleted(_message.Message):
-    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds")
+    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds", "replica")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_SEQ_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     aggregate_id: str
     result_seq: int
     media_type: str
     compute_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    replica: str
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class RequestFailed(_message.Message):
     __slots__ = ("request_id", "aggregate_id", "kind", "detail")
