@@ -98,6 +98,63 @@ def tensor_from_json(data: Mapping[str, Any], what: str) -> npt.NDArray[Any]:
     return reshaped
 
 
+def tensor_proto_from_json(data: Mapping[str, Any], what: str) -> tp.Tensor:
+    """The JSON ``TensorData`` form as a wire ``Tensor`` in the same layout (dense, or sparse
+    CSR, whose absent cells stay absent)."""
+    dtype = _JSON_DTYPES.get(str(data.get("dtype")))
+    if dtype is None:
+        raise InvalidRequest(f"{what}.dtype must be 'float32' or 'int64'")
+    try:
+        values = np.asarray(data.get("data", []), dtype=dtype)
+        shape = [int(d) for d in data.get("shape") or (len(values),)]
+        if "sparse_crow_indices" not in data:
+            if int(np.prod(shape)) != len(values):
+                raise InvalidRequest(f"{what} has {len(values)} values but shape {shape}")
+            return tp.Tensor(dense=values.tobytes(), dtype=_WIRE[dtype], shape=shape)
+        crow = np.asarray(data["sparse_crow_indices"], "<i8")
+        cols = np.asarray(data.get("sparse_col_indices", []), "<i8")
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"{what} is not a valid TensorData: {exc}") from exc
+    csr = tp.SparseCsr(
+        values=values.tobytes(), crow_indices=crow.tobytes(), col_indices=cols.tobytes()
+    )
+    tensor = tp.Tensor(sparse_csr=csr, dtype=_WIRE[dtype], shape=shape)
+    sparse_cells(tensor, what)  # checks the indices
+    return tensor
+
+
+def sparse_cells(
+    tensor: tp.Tensor, what: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[Any]]:
+    """The (row, column, value) of every cell a 2-D tensor stores: all of a dense one's, the
+    present ones of a CSR one's."""
+    shape = tuple(int(d) for d in tensor.shape)
+    if len(shape) != 2:
+        raise InvalidRequest(f"{what} must be 2-D, got shape {list(shape)}")
+    if tensor.WhichOneof("encoding") != "sparse_csr":
+        dense = decode_tensor(tensor, what)
+        rows, cols = np.indices(shape).reshape(2, -1)
+        return rows.astype(np.int64), cols.astype(np.int64), dense.reshape(-1)
+    dtype = _NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidRequest(f"{what} has dtype {tensor.dtype}; accepted are float32, int64, int32")
+    csr = tensor.sparse_csr
+    values = _frombuffer(csr.values, dtype, what)
+    crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), what)
+    cols = _frombuffer(csr.col_indices, np.dtype("<i8"), what)
+    if (
+        len(crow) != shape[0] + 1
+        or len(cols) != len(values)
+        or crow[0] != 0
+        or crow[-1] != len(values)
+        or (np.diff(crow) < 0).any()
+        or (len(cols) and (cols.min() < 0 or cols.max() >= shape[1]))
+    ):
+        raise InvalidRequest(f"{what} is a malformed sparse CSR tensor of shape {list(shape)}")
+    rows = np.repeat(np.arange(shape[0], dtype=np.int64), np.diff(crow))
+    return rows, cols.astype(np.int64), values
+
+
 def batched(arrays: Sequence[npt.NDArray[Any]]) -> tp.BatchedTensor:
     """Concatenate one array per datum into a ``BatchedTensor`` with int64 *byte* offsets. Every
     array shares a dtype and trailing shape; the leading dimension may differ."""

@@ -365,10 +365,6 @@ class Gateway:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {spec.name} ({spec.max_context_length})"
             )
-        if body.get("prompt_alt_tokens_k"):
-            raise InvalidRequest("prompt_alt_tokens_k > 0 is not supported; send 0")
-        if body.get("target_prompt_logprobs") is not None:
-            raise InvalidRequest("target_prompt_logprobs is not supported yet")
         command = bus.Sample(
             base_model=sampler.base_model,
             adapter_key=sampler.adapter_key,
@@ -382,7 +378,15 @@ class Gateway:
             topk_sample_logprobs=wire.req_int(
                 body, "topk_sample_logprobs", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
             ),
+            prompt_alt_tokens_k=wire.req_int(
+                body, "prompt_alt_tokens_k", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
+            ),
         )
+        targets = body.get("target_prompt_logprobs")
+        if targets is not None:
+            command.target_prompt_logprobs.CopyFrom(
+                wire.target_prompt_logprobs(targets, len(prompt), spec.vocab_size)
+            )
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None:
             command.prompt_logprobs_last_n = wire.req_int(body, "prompt_logprobs_last_n", minimum=0)

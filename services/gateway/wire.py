@@ -15,6 +15,8 @@ import numpy.typing as npt
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest
+from tinsmith.limits import MAX_TOPK_LOGPROBS
+from tinsmith.tensors import sparse_cells, tensor_proto_from_json
 
 # What a sample without max_tokens gets.
 DEFAULT_MAX_TOKENS = 256
@@ -184,3 +186,32 @@ def check_vocab(tokens: npt.ArrayLike, vocab_size: int, what: str) -> None:
             f"{what} contains token id {bad}, outside the vocabulary: ids must be in "
             f"[0, {vocab_size})"
         )
+
+
+def target_prompt_logprobs(value: Any, prompt_length: int, vocab_size: int) -> tp.Tensor:
+    """The token ids to score at each prompt position: int64 ``[len(prompt) - 1, K]``, dense or
+    CSR, ``-1`` for cells that ask for nothing, and at most ``MAX_TOPK_LOGPROBS`` distinct ids
+    (the cost is ``len(prompt)`` times that, bounded like a top-k width)."""
+    what = "target_prompt_logprobs"
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{what} must be a TensorData object")
+    tensor = tensor_proto_from_json(value, what)
+    if tensor.dtype != tp.DTYPE_INT64:
+        raise InvalidRequest(f"{what} must be an int64 tensor of token ids")
+    shape = list(tensor.shape)
+    if len(shape) != 2 or shape[0] != prompt_length - 1 or shape[1] < 1:
+        raise InvalidRequest(
+            f"{what} must have shape [len(prompt) - 1, K] = [{prompt_length - 1}, K >= 1], "
+            f"got {shape}"
+        )
+    _, _, ids = sparse_cells(tensor, what)
+    named = ids[ids != -1]
+    if not len(named):
+        raise InvalidRequest(f"{what} names no token id (every cell is -1)")
+    check_vocab(named, vocab_size, what)
+    distinct = len(np.unique(named))
+    if distinct > MAX_TOPK_LOGPROBS:
+        raise InvalidRequest(
+            f"{what} names {distinct} distinct token ids; at most {MAX_TOPK_LOGPROBS} are accepted"
+        )
+    return tensor

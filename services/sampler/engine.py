@@ -28,6 +28,7 @@ from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, NotFound
 from tinsmith.limits import MAX_TOPK_LOGPROBS
+from tinsmith.tensors import sparse_cells
 
 if TYPE_CHECKING:
     from .config import SamplerConfig
@@ -127,7 +128,7 @@ def check_command(command: bus.Sample, vocab_size: int) -> None:
         raise InvalidRequest(f"a prompt token is outside the vocabulary [0, {vocab_size})")
     if command.num_samples < 0:
         raise InvalidRequest("num_samples must not be negative")
-    for field in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+    for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if not 0 <= getattr(command, field) <= MAX_TOPK_LOGPROBS:
             raise InvalidRequest(f"{field} must be between 0 and {MAX_TOPK_LOGPROBS}")
 
@@ -172,4 +173,43 @@ def empty_topk(length: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     return (
         np.full((length, k), TOPK_EMPTY_TOKEN, dtype="<i4"),
         np.full((length, k), TOPK_EMPTY_LOGPROB, dtype="<f4"),
+    )
+
+
+def target_cells(command: bus.Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The cells of ``target_prompt_logprobs``: (row, column, token id), ``-1`` for none. Row i
+    is scored at prompt position i + 1, from the distribution after ``prompt[: i + 1]``."""
+    rows, cols, ids = sparse_cells(command.target_prompt_logprobs, "target_prompt_logprobs")
+    if len(ids) and (ids.min() < -1 or rows.max() >= len(command.prompt) - 1):
+        raise InvalidRequest("target_prompt_logprobs does not fit the prompt")
+    return rows, cols, ids.astype(np.int64)
+
+
+def target_message(command: bus.Sample, values: np.ndarray) -> tp.Tensor:
+    """The answer to ``target_prompt_logprobs``: float32 in the request's shape and layout, one
+    value per cell that ``target_cells`` listed (0.0 where the cell asked for nothing)."""
+    request = command.target_prompt_logprobs
+    values = np.ascontiguousarray(values, "<f4")
+    if request.WhichOneof("encoding") == "sparse_csr":
+        csr = tp.SparseCsr(
+            values=values.tobytes(),
+            crow_indices=request.sparse_csr.crow_indices,
+            col_indices=request.sparse_csr.col_indices,
+        )
+        return tp.Tensor(sparse_csr=csr, dtype=tp.DTYPE_FLOAT32, shape=request.shape)
+    return tp.Tensor(dense=values.tobytes(), dtype=tp.DTYPE_FLOAT32, shape=request.shape)
+
+
+def alt_tokens_message(tokens: np.ndarray, logprobs: np.ndarray) -> tp.PromptAltTokens:
+    """``[len(prompt) - 1, k]`` draws and their logprobs, as two dense tensors."""
+    shape = list(tokens.shape)
+    return tp.PromptAltTokens(
+        tokens=tp.Tensor(
+            dense=np.ascontiguousarray(tokens, "<i8").tobytes(), dtype=tp.DTYPE_INT64, shape=shape
+        ),
+        logprobs=tp.Tensor(
+            dense=np.ascontiguousarray(logprobs, "<f4").tobytes(),
+            dtype=tp.DTYPE_FLOAT32,
+            shape=shape,
+        ),
     )

@@ -44,10 +44,13 @@ from tinsmith._proto import tinker_public_pb2 as tp
 
 from .engine import (
     AdapterMissing,
+    alt_tokens_message,
     check_command,
     empty_topk,
     prompt_window,
     stop_rule,
+    target_cells,
+    target_message,
     topk_message,
 )
 
@@ -58,6 +61,8 @@ BASE_ADAPTER = "__base__"
 DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
 # Sequences decoded together at most; requests beyond it wait for rows to finish.
 DEFAULT_MAX_ROWS = 256
+# The generator stream of a request's prompt_alt_tokens draws (sequence i uses stream i).
+_ALT_STREAM = 2**32
 
 
 @dataclass
@@ -85,6 +90,7 @@ class _Request:
     adapter: str
     stop_ids: frozenset[int]
     stop_strs: list[str]
+    seed: int = 0
     response: tp.SampleResponse = field(default_factory=tp.SampleResponse)
     sequences: list[_Sequence] = field(default_factory=list)
     unfinished: int = 0
@@ -219,7 +225,9 @@ class TorchEngine:
             base.adapters.move_to_end(key)
             adapter = base.adapters[key].name
         stop_ids, stop_strs = stop_rule(command.params, base.eos_ids)
-        request = _Request(ticket, command, base, adapter, stop_ids, stop_strs)
+        params = command.params
+        seed = params.seed if params.HasField("seed") else random.getrandbits(63)
+        request = _Request(ticket, command, base, adapter, stop_ids, stop_strs, seed)
         self._requests[ticket] = request
         self._waiting.append(request)
 
@@ -328,13 +336,11 @@ class TorchEngine:
             command = request.command
             if _wants_prompt_scores(command):
                 _score_prompt(request, out.logits[i, width - lengths[i] :])
-            params = command.params
-            seed = params.seed if params.HasField("seed") else random.getrandbits(63)
-            if params.max_tokens <= 0 or command.num_samples == 0:
+            if command.params.max_tokens <= 0 or command.num_samples == 0:
                 finished.append((request.ticket, _response(request)))
                 continue
             for n in range(command.num_samples):
-                generator = torch.Generator().manual_seed(_stream_seed(seed, n))
+                generator = torch.Generator().manual_seed(_stream_seed(request.seed, n))
                 request.sequences.append(_Sequence(request, generator))
                 owners.append(i)
             request.unfinished = command.num_samples
@@ -481,12 +487,18 @@ def _kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _wants_prompt_scores(command: bus.Sample) -> bool:
-    return command.prompt_logprobs or command.topk_prompt_logprobs > 0
+    return (
+        command.prompt_logprobs
+        or command.topk_prompt_logprobs > 0
+        or command.prompt_alt_tokens_k > 0
+        or command.HasField("target_prompt_logprobs")
+    )
 
 
 def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
-    """Prompt logprobs and top-k: position i is scored from the logits at i - 1; positions
-    before the window (position 0 at least) have no value."""
+    """Everything a request asks of its prompt, from the prefill's logits (row i is the
+    distribution of prompt token i + 1): logprobs and top-k, with no value before the window
+    (position 0 at least); the logprobs of named target ids; draws of alternative tokens."""
     command = request.command
     prompt = torch.tensor(list(command.prompt), dtype=torch.long)
     raw = torch.log_softmax(logits.float(), dim=-1)
@@ -504,6 +516,32 @@ def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
             top = raw[start - 1 : -1].topk(k, dim=-1)
             ids[start:], lps[start:] = top.indices.numpy(), top.values.numpy()
         request.response.topk_prompt_logprobs.CopyFrom(topk_message(ids, lps))
+    if command.HasField("target_prompt_logprobs"):
+        rows, _, targets = target_cells(command)
+        values = np.zeros(len(targets), dtype="<f4")
+        asked = targets >= 0
+        index = torch.from_numpy(rows[asked]), torch.from_numpy(targets[asked])
+        values[asked] = raw[index].numpy()
+        request.response.target_prompt_logprobs.CopyFrom(target_message(command, values))
+    k = command.prompt_alt_tokens_k
+    if k:
+        # Draws with replacement at the request's temperature (0: the most likely token), from
+        # a generator of their own, seeded from the request's seed.
+        table = raw[:-1]
+        if command.params.temperature == 0:
+            drawn = table.argmax(-1, keepdim=True).expand(-1, k)
+        else:
+            probs = torch.softmax(logits[:-1].float() / command.params.temperature, dim=-1)
+            generator = torch.Generator().manual_seed(_stream_seed(request.seed, _ALT_STREAM))
+            drawn = (
+                torch.multinomial(probs, k, replacement=True, generator=generator)
+                if len(probs)
+                else torch.zeros((0, k), dtype=torch.long)
+            )
+        chosen = table.gather(-1, drawn)
+        request.response.prompt_alt_tokens.CopyFrom(
+            alt_tokens_message(drawn.numpy(), chosen.numpy())
+        )
 
 
 def _response(request: _Request) -> bytes:

@@ -3,6 +3,7 @@ serving (a rejected training request does not stall the run's later requests).""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,6 +82,63 @@ def test_sampling_token_ids_outside_the_vocabulary(training: tinker.TrainingClie
         sampler.sample(
             types.ModelInput.from_ints([1, -5]), 1, types.SamplingParams(max_tokens=2)
         ).result(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("extra", "detail"),
+    [
+        ({"topk_sample_logprobs": 21}, "'topk_sample_logprobs' must be <= 20"),
+        ({"topk_prompt_logprobs": -1}, "'topk_prompt_logprobs' must be >= 0"),
+        ({"prompt_alt_tokens_k": 50}, "'prompt_alt_tokens_k' must be <= 20"),
+        (
+            {"target_prompt_logprobs": {"data": [1, 2], "dtype": "int64", "shape": [1, 2]}},
+            r"shape \[len\(prompt\) - 1, K\] = \[3, K >= 1\], got \[1, 2\]",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [-1] * 3, "dtype": "int64", "shape": [3, 1]}},
+            "names no token id",
+        ),
+        (
+            {
+                "target_prompt_logprobs": {
+                    "data": list(range(30)),
+                    "dtype": "int64",
+                    "shape": [3, 10],
+                }
+            },
+            "30 distinct token ids; at most 20",
+        ),
+        (
+            {"target_prompt_logprobs": {"data": [1, 2, 600], "dtype": "int64", "shape": [3, 1]}},
+            r"token id 600, outside the vocabulary",
+        ),
+        (
+            {
+                "target_prompt_logprobs": {
+                    "data": [1.0, 2.0, 3.0],
+                    "dtype": "float32",
+                    "shape": [3, 1],
+                }
+            },
+            "must be an int64 tensor",
+        ),
+    ],
+)
+def test_bad_sampling_options(
+    http: httpx.Client, training: tinker.TrainingClient, extra: dict[str, object], detail: str
+) -> None:
+    sampler = training.save_weights_and_get_sampling_client().result()
+    body = {
+        "sampling_session_id": sampler._sampling_session_id,  # type: ignore[attr-defined]
+        "seq_id": 10**6,
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4]}]},
+        "sampling_params": {"max_tokens": 2},
+        **extra,
+    }
+    reply = http.post("/asample", json=body)
+    assert reply.status_code == 400
+    assert re.search(detail, reply.json()["detail"]), reply.json()["detail"]
 
 
 def test_unimplemented_loss_function(training: tinker.TrainingClient) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 
 from tests.conftest import RunningSystem
@@ -151,3 +152,52 @@ def test_named_sampler_weights_serve_a_new_sampling_client(
     fresh = sampler.sample(prompt, 1, params).result().sequences[0].tokens
     ephemeral = training.save_weights_and_get_sampling_client().result()
     assert ephemeral.sample(prompt, 1, params).result().sequences[0].tokens == fresh
+
+
+def test_the_sdk_reads_top_k_target_and_alternative_logprobs(trained: dict[str, object]) -> None:
+    training, tokenizer = trained["training"], trained["tokenizer"]
+    assert isinstance(training, tinker.TrainingClient)
+    sampler = training.save_weights_and_get_sampling_client().result()
+    ids = tokenizer.encode("the cat sat on")
+    prompt = types.ModelInput.from_ints(ids)
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=2, stop=[])
+    result = sampler.sample(
+        prompt,
+        2,
+        params,
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+        topk_sample_logprobs=2,
+        prompt_alt_tokens_k=4,
+        target_prompt_logprobs=types.TensorData.from_torch_sparse(
+            torch.tensor([[ids[1], -1]] + [[-1, -1]] * (len(ids) - 3) + [[ids[-1], 7]]),
+            pad_value=-1,
+        ),
+    ).result()
+    prompt_lps = result.prompt_logprobs
+    assert prompt_lps is not None and prompt_lps[0] is None
+    top = result.topk_prompt_logprobs
+    assert top is not None and len(top) == len(ids) and top[0] is None
+    for i in range(1, len(ids)):
+        entries = top[i]
+        assert entries is not None and len(entries) == 3
+        # The prompt token's logprob is within the top 3 exactly when its token is.
+        if ids[i] in [token for token, _ in entries]:
+            assert dict(entries)[ids[i]] == pytest.approx(prompt_lps[i], abs=1e-5)
+        else:
+            assert prompt_lps[i] <= entries[-1][1] + 1e-6
+    for sequence in result.sequences:
+        assert sequence.topk_logprobs is not None
+        assert len(sequence.topk_logprobs) == len(sequence.tokens) == 5
+    # Target ids: row i is scored at prompt position i + 1; CSR in, CSR out.
+    targets = result.target_prompt_logprobs
+    assert targets is not None and targets.sparse_crow_indices is not None
+    values = targets.to_torch().to_dense()
+    assert values[0, 0].item() == pytest.approx(prompt_lps[1], abs=1e-5)
+    assert values[-1, 0].item() == pytest.approx(prompt_lps[-1], abs=1e-5)
+    assert values[-1, 1].item() < 0 and values[1:-1].abs().sum().item() == 0
+    alt = result.prompt_alt_tokens
+    assert alt is not None
+    tokens, logprobs = alt.tokens.to_numpy(), alt.logprobs.to_numpy()
+    assert tokens.shape == logprobs.shape == (len(ids) - 1, 4)
+    assert (logprobs <= 0).all() and ((tokens >= 0) & (tokens < 512)).all()

@@ -273,3 +273,33 @@ def test_top_k_tables_agree_with_the_logprobs(engine: TorchEngine) -> None:
                 assert abs(row_values[list(row_ids).index(token)] - lp) < 1e-6
             else:
                 assert lp <= row_values[-1] + 1e-6
+
+
+def test_target_ids_and_alternative_tokens_of_the_prompt(engine: TorchEngine) -> None:
+    prompt = _prompt(71, 6)
+    targets = np.array([[prompt[1], -1], [-1, -1], [3, prompt[3]], [-1, 9], [prompt[5], 4]])
+    command = _command(prompt, "adapter/a", prompt_logprobs=True, max_tokens=1, seed=3)
+    command.topk_prompt_logprobs = 1
+    command.prompt_alt_tokens_k = 3
+    command.target_prompt_logprobs.CopyFrom(
+        tp.Tensor(dense=targets.astype("<i8").tobytes(), dtype=tp.DTYPE_INT64, shape=[5, 2])
+    )
+    response = _decode(_one(engine, command))
+    scored = np.frombuffer(response.prompt_logprobs, "<f4")
+    values = np.frombuffer(response.target_prompt_logprobs.dense, "<f4").reshape(5, 2)
+    assert list(response.target_prompt_logprobs.shape) == [5, 2]
+    np.testing.assert_allclose(
+        [values[0, 0], values[2, 1], values[4, 0]], scored[[1, 3, 5]], atol=1e-6
+    )
+    assert values[0, 1] == values[1].sum() == 0.0 and values[3, 1] < 0 and values[2, 0] < 0
+    alt = response.prompt_alt_tokens
+    tokens = np.frombuffer(alt.tokens.dense, "<i8").reshape(5, 3)
+    logprobs = np.frombuffer(alt.logprobs.dense, "<f4").reshape(5, 3)
+    assert (logprobs <= 0).all() and (logprobs > -50).all()
+    assert _decode(_one(engine, command)).prompt_alt_tokens == alt  # the seed fixes the draws
+    command.params.temperature = 0.0  # then every draw is the most likely token
+    greedy = _decode(_one(engine, command))
+    best = np.frombuffer(greedy.topk_prompt_logprobs.token_ids, "<i4")[1:]
+    drawn = np.frombuffer(greedy.prompt_alt_tokens.tokens.dense, "<i8").reshape(5, 3)
+    assert (drawn == best[:, None]).all()
+    assert tokens.shape == (5, 3)

@@ -112,7 +112,7 @@ class SaveWeights(_message.Message):
     def __init__(self, kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., sampler_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs")
+    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,8 @@ class Sample(_message.Message):
     PROMPT_LOGPROBS_LAST_N_FIELD_NUMBER: _ClassVar[int]
     TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ALT_TOKENS_K_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     adapter_key: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -131,7 +133,9 @@ class Sample(_message.Message):
     prompt_logprobs_last_n: int
     topk_prompt_logprobs: int
     topk_sample_logprobs: int
-    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ...) -> None: ...
+    target_prompt_logprobs: _tinker_public_pb2.Tensor
+    prompt_alt_tokens_k: int
+    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., target_prompt_logprobs: _Optional[_Union[_tinker_public_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens_k: _Optional[int] = ...) -> None: ...
 
 class SessionCreated(_message.Message):
     __slots__ = ("session_id", "tags", "user_metadata", "project_id", "display_name", "sdk_version")
