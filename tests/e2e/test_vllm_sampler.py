@@ -61,19 +61,29 @@ def test_an_rl_step_on_the_vllm_sampler(system: RunningSystem) -> None:
     ).result()
     assert len(result.sequences) == 4
 
-    gaps = []
-    for sequence in result.sequences:
+    # Score the samples three ways at once: the trainer's forward, and the sampler's prompt
+    # logprobs (compute_logprobs, all four in flight together, which also checks that vLLM's
+    # prompt logprobs with an lm_head adapter hold up with several requests in one step).
+    sequences = [prompt + list(s.tokens) for s in result.sequences]
+    scored = [sampler.compute_logprobs(types.ModelInput.from_ints(t)) for t in sequences]
+    gaps, prompt_gaps = [], []
+    for sequence, tokens, future in zip(result.sequences, sequences, scored, strict=True):
         assert len(sequence.tokens) == len(sequence.logprobs) == 24
-        tokens = prompt + list(sequence.tokens)
         datum = types.Datum(
             model_input=types.ModelInput.from_ints(tokens[:-1]),
             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
         )
         forward = training.forward([datum], "cross_entropy").result()
-        trainer = np.asarray(forward.loss_fn_outputs[0]["logprobs"].tolist())[len(prompt) - 1 :]
-        gaps.append(float(np.abs(np.asarray(sequence.logprobs) - trainer).max()))
-    print(f"vLLM sampler vs trainer forward, max |logprob gap| over 4 x 24 tokens: {max(gaps):.2e}")
-    assert max(gaps) <= TOLERANCE
+        trainer = np.asarray(forward.loss_fn_outputs[0]["logprobs"].tolist())
+        gaps.append(float(np.abs(np.asarray(sequence.logprobs) - trainer[len(prompt) - 1 :]).max()))
+        prompt_lps = future.result()
+        assert prompt_lps[0] is None
+        prompt_gaps.append(float(np.abs(np.asarray(prompt_lps[1:], dtype=float) - trainer).max()))
+    print(
+        f"vLLM sampler vs trainer forward, max |logprob gap|: sampled tokens {max(gaps):.2e}, "
+        f"compute_logprobs {max(prompt_gaps):.2e}"
+    )
+    assert max(gaps) <= TOLERANCE and max(prompt_gaps) <= TOLERANCE
 
     # The same request on the bare base model samples something else: the adapter was applied.
     base = service.create_sampling_client(base_model=BASE)

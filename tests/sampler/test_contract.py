@@ -114,7 +114,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Reference, di
     reference = Reference(models.materialize(BASE, cache_dir))
     shapes = _linear_shapes(reference.models[""])
     adapters = {}
-    for key, seed in (("adapter/a", 1), ("adapter/b", 2)):
+    # a and b for most tests; eight in all, as many as the vLLM engine runs in one batch.
+    for seed, key in enumerate(["adapter/a", "adapter/b"] + [f"adapter/{c}" for c in "cdefgh"], 1):
         directory = tmp_path_factory.mktemp(key.replace("/", "-"))
         reference.add(key, _write_adapter(directory, seed, shapes))
         adapters[key] = directory
@@ -385,23 +386,50 @@ def test_adapters_change_the_output_and_mix_in_one_batch(engine: Engine, toleran
         )
 
 
-def test_a_request_joins_a_batch_that_is_running(engine: Engine, tolerance: float) -> None:
-    early = _command(_prompt(100, 5), "adapter/a", n=2, seed=1, max_tokens=20, stop_tokens=[])
-    late = _command(_prompt(101, 13), "adapter/b", n=1, seed=2, max_tokens=8, stop_tokens=[])
-    alone = {0: _run(engine, early)[0], 1: _run(engine, late)[0]}
-    engine.add(0, early)
+def test_requests_join_a_batch_that_is_running(engine: Engine, tolerance: float) -> None:
+    """Requests with and without adapters, added while others decode, each get what they get
+    alone: an adapter's request joining base-model rows, and base-model rows joining adapter
+    ones (vLLM's CPU LoRA ops once gave such rows another request's adapter)."""
+    early = [
+        _command(_prompt(100, 5), "adapter/a", n=2, seed=1, max_tokens=20, stop_tokens=[]),
+        _command(_prompt(102, 7), "", n=1, seed=3, max_tokens=18, stop_tokens=[]),
+    ]
+    late = [
+        _command(_prompt(101, 13), "adapter/b", n=1, seed=2, max_tokens=8, stop_tokens=[]),
+        _command(_prompt(103, 4), "", n=2, seed=4, max_tokens=10, stop_tokens=[]),
+    ]
+    alone = {t: _run(engine, command)[0] for t, command in enumerate(early + late)}
+    for ticket, command in enumerate(early):
+        engine.add(ticket, command)
     outcomes: dict[int, bytes | Exception] = {}
     for _ in range(5):
         outcomes.update(engine.step())
-    engine.add(1, late)
+    for ticket, command in enumerate(late, start=len(early)):
+        engine.add(ticket, command)
     while engine.has_work():
         outcomes.update(engine.step())
+    assert sorted(outcomes) == sorted(alone)
     for ticket, body in outcomes.items():
         assert isinstance(body, bytes)
         response = tp.SampleResponse.FromString(body)
         for got, want in zip(response.sequences, alone[ticket].sequences, strict=True):
-            assert _tokens(got) == _tokens(want)
+            assert _tokens(got) == _tokens(want), ticket
             assert np.abs(_logprobs(got) - _logprobs(want)).max() <= tolerance
+
+
+def test_a_base_model_request_beside_a_full_set_of_adapters(
+    engine: Engine, tolerance: float
+) -> None:
+    """Every adapter slot busy, and a base-model request in the same batch: it must get no
+    adapter (vLLM 0.32's CPU LoRA ops gave such rows the last slot's)."""
+    keys = ["adapter/a", "adapter/b"] + [f"adapter/{c}" for c in "cdefgh"]
+    commands = [_command(_prompt(140 + i, 6), k, seed=i, max_tokens=6) for i, k in enumerate(keys)]
+    base = _command(_prompt(150, 6), "", n=2, seed=9, max_tokens=12, stop_tokens=[])
+    (alone,) = _run(engine, base)
+    together = _run(engine, *commands, base)
+    for got, want in zip(together[-1].sequences, alone.sequences, strict=True):
+        assert _tokens(got) == _tokens(want)
+        assert np.abs(_logprobs(got) - _logprobs(want)).max() <= tolerance
 
 
 def test_bad_requests_fail_alone(engine: Engine) -> None:
