@@ -26,8 +26,18 @@ SCHEME = "tinker://"
 SEGMENTS = {
     bus.CHECKPOINT_KIND_TRAINING: "weights",
     bus.CHECKPOINT_KIND_SAMPLER: "sampler_weights",
+    bus.CHECKPOINT_KIND_EXTERNAL: "external_weights",
 }
 KINDS = {segment: kind for kind, segment in SEGMENTS.items()}
+# The REST API's ``checkpoint_type`` of each kind.
+CHECKPOINT_TYPES = {
+    bus.CHECKPOINT_KIND_TRAINING: "training",
+    bus.CHECKPOINT_KIND_SAMPLER: "sampler",
+    bus.CHECKPOINT_KIND_EXTERNAL: "external",
+}
+# Every artifact of a run lives under runs/<run id>/<what>/<name>: exactly four key components.
+RUNS = "runs"
+KEY_DEPTH = 4
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -42,7 +52,19 @@ class TinkerPath:
 
     @property
     def key(self) -> str:
-        return f"runs/{self.model_id}/{SEGMENTS[self.kind]}/{self.name}"
+        """Where the first save of this name is stored."""
+        return f"{RUNS}/{self.model_id}/{SEGMENTS[self.kind]}/{self.name}"
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The REST API's id of the checkpoint within its run, e.g. ``weights/step-1``."""
+        return f"{SEGMENTS[self.kind]}/{self.name}"
+
+    def overwrite_key(self, seq_id: int) -> str:
+        """Where a save that overwrites this name is stored: a new key (artifacts are never
+        rewritten in place), which no checkpoint name can collide with ('@' is not allowed in
+        names)."""
+        return f"{self.key}@{seq_id:08d}"
 
 
 def check_name(name: str) -> str:
@@ -56,17 +78,28 @@ def check_name(name: str) -> str:
 
 
 def parse(path: str) -> TinkerPath:
-    """Parse ``tinker://<run>/<weights|sampler_weights>/<name>``."""
+    """Parse ``tinker://<run>/<weights|sampler_weights|external_weights>/<name>``."""
     if not isinstance(path, str) or not path.startswith(SCHEME):
         raise InvalidRequest(f"{path!r} is not a tinker:// path")
     parts = path[len(SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in KINDS:
         raise InvalidRequest(
-            f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name> or "
-            "tinker://<run id>/sampler_weights/<name>"
+            f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name>, "
+            "tinker://<run id>/sampler_weights/<name> or tinker://<run id>/external_weights/<name>"
         )
-    model_id = subjects.check_id("run id", parts[0])
-    return TinkerPath(model_id=model_id, kind=KINDS[parts[1]], name=check_name(parts[2]))
+    return checkpoint(parts[0], f"{parts[1]}/{parts[2]}")
+
+
+def checkpoint(run_id: str, checkpoint_id: str) -> TinkerPath:
+    """The checkpoint ``<segment>/<name>`` of a run, as the REST routes name it."""
+    segment, _, name = checkpoint_id.partition("/")
+    if segment not in KINDS:
+        raise InvalidRequest(
+            f"checkpoint id {checkpoint_id!r} is not accepted: expected weights/<name>, "
+            "sampler_weights/<name> or external_weights/<name>"
+        )
+    model_id = subjects.check_id("run id", run_id)
+    return TinkerPath(model_id=model_id, kind=KINDS[segment], name=check_name(name))
 
 
 def snapshot_key(model_id: str, next_seq_id: int) -> str:

@@ -1,32 +1,82 @@
 """Object storage: one ``BlobStore`` over fsspec (file://, s3://, gs://, memory://).
 
 Owns: moving whole artifact directories between a local directory and a key under the store's
-root, and telling whether an artifact is complete. Does not own: what keys are (artifacts.py).
+root, telling whether an artifact is complete, listing artifacts with their sizes and ages,
+deleting them, and download URLs for their files: presigned by the store itself where it can
+(s3://, gs://), else signed here for the gateway to serve (file://). Does not own: what keys are
+(artifacts.py).
 
 An artifact is written file by file and then sealed with a marker written last, so a reader never
-sees half an artifact; keys are never overwritten in place (a new save is a new key).
+sees half an artifact. Keys are validated before they touch storage: relative, no empty, '.' or
+'..' component.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
 
 import fsspec
 
+from tinsmith.failures import InvalidRequest
+
 _SEALED = ".complete"
+_SIGNING_KEY = ".tinsmith/url-signing-key"
+_PRESIGNING = ("s3", "s3a", "gs", "gcs")
+_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    key: str
+    size_bytes: int
+    modified: float  # seconds since the epoch, of its newest file
+    sealed: bool
+
+
+def check_key(key: str) -> str:
+    """A key is a relative path whose components are neither empty nor '.' nor '..'."""
+    parts = key.split("/") if isinstance(key, str) else [""]
+    if not key or key.startswith("/") or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        raise InvalidRequest(
+            f"object-store key {key!r} is not accepted: a relative path whose parts are not "
+            "empty, '.' or '..'"
+        )
+    return key
 
 
 class BlobStore:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.fs, root = fsspec.core.url_to_fs(url)
+        # Remote listings are not cached: other processes write and delete under the same keys.
+        remote = {} if url.startswith(("file:", "memory:", "/")) else {"use_listings_cache": False}
+        self.fs, root = fsspec.core.url_to_fs(url, **remote)
         self.root = str(root).rstrip("/")
-        if self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol:
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        self.protocols = tuple(str(p) for p in protocols)
+        self.local = "file" in self.protocols
+        if self.local:
             self.fs.makedirs(self.root, exist_ok=True)
 
+    @property
+    def presigns(self) -> bool:
+        """Whether the store itself hands out download URLs (S3 and GCS presigned URLs)."""
+        return any(p in _PRESIGNING for p in self.protocols)
+
     def _path(self, key: str) -> str:
-        return f"{self.root}/{key.strip('/')}"
+        return f"{self.root}/{check_key(key.strip('/'))}"
+
+    # -- artifacts -----------------------------------------------------------------------------
 
     async def put_dir(self, key: str, local_dir: Path) -> int:
         """Upload every file of ``local_dir`` under ``key``, then seal it. Returns bytes written."""
@@ -34,14 +84,17 @@ class BlobStore:
 
     def _put_dir(self, key: str, local_dir: Path) -> int:
         target = self._path(key)
+        marker = f"{target}/{_SEALED}"
+        if self.fs.exists(marker):  # rewritten (a repeated snapshot): unsealed while it changes
+            self.fs.rm(marker)
         self.fs.makedirs(target, exist_ok=True)
         total = 0
         for path in sorted(local_dir.iterdir()):
             if path.is_file():
                 self.fs.put_file(str(path), f"{target}/{path.name}")
                 total += path.stat().st_size
-        with self.fs.open(f"{target}/{_SEALED}", "wb") as marker:
-            marker.write(str(total).encode())
+        with self.fs.open(marker, "wb") as sealed:
+            sealed.write(str(total).encode())
         return total
 
     async def get_dir(self, key: str, local_dir: Path) -> None:
@@ -61,7 +114,123 @@ class BlobStore:
     async def exists(self, key: str) -> bool:
         return bool(await asyncio.to_thread(self.fs.exists, f"{self._path(key)}/{_SEALED}"))
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, key: str) -> bool:
+        """Remove the artifact at ``key``; False when there was nothing to remove."""
         path = self._path(key)
-        if await asyncio.to_thread(self.fs.exists, path):
-            await asyncio.to_thread(self.fs.rm, path, True)
+        if not await asyncio.to_thread(self.fs.exists, path):
+            return False
+        await asyncio.to_thread(self.fs.rm, path, True)
+        return True
+
+    async def files(self, key: str) -> dict[str, int]:
+        """The files of the sealed artifact at ``key``, with their sizes."""
+        return await asyncio.to_thread(self._files, key)
+
+    def _files(self, key: str) -> dict[str, int]:
+        source = self._path(key)
+        if not self.fs.exists(f"{source}/{_SEALED}"):
+            raise FileNotFoundError(f"no complete artifact at {key!r} in {self.url}")
+        found = {}
+        for entry in self.fs.ls(source, detail=True):
+            name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") == "file" and name != _SEALED:
+                found[name] = int(entry.get("size") or 0)
+        return found
+
+    async def artifacts(self, prefix: str, depth: int) -> list[ArtifactInfo]:
+        """Every artifact directory ``depth`` components deep whose key starts with ``prefix``,
+        sealed or not (a writer that died leaves it unsealed)."""
+        return await asyncio.to_thread(self._artifacts, prefix, depth)
+
+    def _artifacts(self, prefix: str, depth: int) -> list[ArtifactInfo]:
+        base = self._path(prefix)
+        if not self.fs.exists(base):
+            return []
+        found: dict[str, list[dict[str, Any]]] = {}
+        for path, info in self.fs.find(base, detail=True).items():
+            key = str(path)[len(self.root) + 1 :]
+            parts = key.split("/")
+            if len(parts) > depth:
+                found.setdefault("/".join(parts[:depth]), []).append(info)
+        return [
+            ArtifactInfo(
+                key=key,
+                size_bytes=sum(
+                    int(i.get("size") or 0) for i in infos if not i["name"].endswith(_SEALED)
+                ),
+                modified=max(_modified(i) for i in infos),
+                sealed=any(str(i["name"]).endswith("/" + _SEALED) for i in infos),
+            )
+            for key, infos in sorted(found.items())
+        ]
+
+    # -- downloads -----------------------------------------------------------------------------
+
+    def presigned_url(self, key: str, name: str, expires_in_s: int) -> str:
+        """A URL that fetches one file of an artifact with a plain GET, from the store itself."""
+        return str(self.fs.sign(f"{self._path(key)}/{check_key(name)}", expiration=expires_in_s))
+
+    def _signing_key(self) -> bytes:
+        """The secret behind the URLs the gateway serves: made once, kept in the store, so every
+        gateway replica and the checkpoint service share it, across restarts."""
+        path = f"{self.root}/{_SIGNING_KEY}"
+        if not self.fs.exists(path):
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                if self.local:  # exclusive create: the first writer wins a race
+                    with open(path, "xb") as out:
+                        out.write(secrets.token_bytes(32))
+                else:
+                    with self.fs.open(path, "wb") as out:
+                        out.write(secrets.token_bytes(32))
+        with self.fs.open(path, "rb") as key:
+            return bytes(key.read())
+
+    def _signature(self, path: str, expires: int) -> str:
+        message = f"{path}\n{expires}".encode()
+        return hmac.new(self._signing_key(), message, hashlib.sha256).hexdigest()
+
+    def signed_query(self, key: str, name: str, expires: int) -> str:
+        """The path and query of a gateway download URL for one file: ``<key>/<name>?...``."""
+        path = f"{check_key(key)}/{check_key(name)}"
+        query = urlencode({"expires": expires, "signature": self._signature(path, expires)})
+        return f"{quote(path)}?{query}"
+
+    def verify(self, path: str, expires: str, signature: str) -> str:
+        """Check a gateway download URL; return the store path of its file. Raises InvalidRequest
+        when the signature is wrong or has expired."""
+        check_key(path)
+        try:
+            deadline = int(expires)
+        except ValueError:
+            raise InvalidRequest("the download URL's 'expires' is not a number") from None
+        if deadline < time.time():
+            raise InvalidRequest(
+                "the download URL has expired; ask for new ones with get_external_weights_urls"
+            )
+        if not hmac.compare_digest(self._signature(path, deadline), signature):
+            raise InvalidRequest("the download URL's signature is not valid")
+        return f"{self.root}/{path}"
+
+    def read_chunks(self, store_path: str) -> Iterator[bytes]:
+        """The bytes of one file, in chunks (blocking: run it off the event loop)."""
+        with self.fs.open(store_path, "rb") as source:
+            while chunk := source.read(_CHUNK):
+                yield chunk
+
+    def size(self, store_path: str) -> int:
+        return int(self.fs.size(store_path))
+
+
+def _modified(info: dict[str, Any]) -> float:
+    """An entry's modification time, however the backend spells it."""
+    for field in ("mtime", "LastModified", "updated", "created", "last_modified"):
+        value = info.get(field)
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return time.time()

@@ -124,20 +124,33 @@ class Bus:
         return int(info.state.last_seq)
 
     async def follow(
-        self, stream: str, subject: str, handler: Callable[[int, bytes], Awaitable[None]]
+        self,
+        stream: str,
+        subject: str,
+        handler: Callable[[int, bytes], Awaitable[None]],
+        *,
+        start_seq: int = 1,
     ) -> None:
-        """Deliver every message of ``subject`` from the start of ``stream``, in order, then keep
-        delivering new ones (an ordered, ephemeral consumer: each process reads the whole log)."""
+        """Deliver every message of ``subject`` from the start of ``stream`` (or from stream
+        sequence ``start_seq``), in order, then keep delivering new ones (an ordered, ephemeral
+        consumer: each process reads the log for itself)."""
 
         async def on_msg(msg: Msg) -> None:
             await handler(int(msg.metadata.sequence.stream), msg.data)
 
+        if start_seq > 1:
+            policy: dict[str, object] = {
+                "deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
+                "config": api.ConsumerConfig(opt_start_seq=start_seq),
+            }
+        else:
+            policy = {"deliver_policy": api.DeliverPolicy.ALL}
         await self.js.subscribe(
             subject,
             stream=stream,
             cb=on_msg,
             ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.ALL,
+            **policy,  # type: ignore[arg-type]
         )
 
     async def consume(

@@ -85,6 +85,9 @@ class System:
             "TINSMITH_BLOB_URL": os.environ.get(
                 "TINSMITH_BLOB_URL", f"file://{self.data_dir / 'blobs'}"
             ),
+            "TINSMITH_CATALOG_URL": os.environ.get(
+                "TINSMITH_CATALOG_URL", f"sqlite+aiosqlite:///{self.data_dir / 'catalog.db'}"
+            ),
             "TINSMITH_HOST": self.host,
             "TINSMITH_PORT": str(self.port),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),

@@ -24,6 +24,9 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "run_unloaded": ("run", "model_id"),
     "run_restored": ("run", "model_id"),
     "sampler_created": ("sampler", "sampler_id"),
+    "checkpoint_deleted": ("run", "model_id"),
+    "checkpoint_published": ("run", "model_id"),
+    "checkpoint_ttl_set": ("run", "model_id"),
 }
 _REQUEST_EVENTS = ("request_accepted", "request_rejected", "request_completed", "request_failed")
 

@@ -154,6 +154,13 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
         if saved.kind == bus.CHECKPOINT_KIND_TRAINING:
             return replace(state, last_checkpoint=saved.tinker_path)
         return replace(state, last_sampler_checkpoint=saved.tinker_path)
+    if state is not None and kind == "checkpoint_deleted":
+        gone = event.checkpoint_deleted.tinker_path
+        if state.last_checkpoint == gone:
+            return replace(state, last_checkpoint="")
+        if state.last_sampler_checkpoint == gone:
+            return replace(state, last_sampler_checkpoint="")
+        return state
     if state is not None and kind == "run_unloaded":
         return replace(state, snapshot=event.run_unloaded)
     if state is not None and kind == "run_restored":
@@ -221,6 +228,12 @@ class Projection:
             if kind == "weights_saved":
                 self.checkpoints[event.weights_saved.tinker_path] = event.weights_saved
                 self.saved_at[event.weights_saved.tinker_path] = event.time
+            elif kind == "checkpoint_deleted":
+                gone = event.checkpoint_deleted
+                saved = self.checkpoints.get(gone.tinker_path)
+                if saved is not None and saved.blob_key == gone.blob_key:
+                    del self.checkpoints[gone.tinker_path]
+                    self.saved_at.pop(gone.tinker_path, None)
             _put(self.runs, agg_id, evolve_run(self.runs.get(agg_id), event))
 
 

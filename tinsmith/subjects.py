@@ -29,7 +29,23 @@ SESSION_HEARTBEATS = "tinsmith.heartbeats.session"
 
 # Request-reply services.
 RESOLVE_CHECKPOINT = "tinsmith.rpc.checkpoint.resolve"
-CATALOG_TRAINING_RUN = "tinsmith.rpc.catalog.training_run"
+# Every question and change the REST API asks of the checkpoint service's catalog, one subject
+# each (``catalog_subject``): a bus.CatalogQuery in, a bus.CatalogReply out.
+CATALOG_OPS = (
+    "training_run",
+    "training_runs",
+    "checkpoints",
+    "user_checkpoints",
+    "weights_info",
+    "sessions",
+    "session",
+    "delete_checkpoint",
+    "publish_checkpoint",
+    "set_checkpoint_ttl",
+    "external_weights_urls",
+    "storage_usage",
+    "gc",
+)
 
 AGGREGATES = ("session", "run", "sampler")
 
@@ -65,6 +81,13 @@ def events_of(aggregate: str) -> str:
 def result_subject(request_id: str) -> str:
     """Where the result of one request is stored in the results stream."""
     return f"tinsmith.results.{check_id('request id', request_id)}"
+
+
+def catalog_subject(op: str) -> str:
+    """The request-reply subject of one catalog operation, e.g. tinsmith.rpc.catalog.sessions."""
+    if op not in CATALOG_OPS:
+        raise ValueError(f"unknown catalog operation {op!r}")
+    return f"tinsmith.rpc.catalog.{op}"
 
 
 def ping_subject(service: str) -> str:

@@ -1,26 +1,57 @@
 """`python -m services.checkpoint`: the checkpoint catalog service (wiring only).
 
-Keeps the catalog of sessions, training runs and checkpoints as read models of the event log, and
-answers the gateway's catalog queries over NATS.
+Keeps the catalog of sessions, training runs, checkpoints and samplers as SQL read models of the
+event log (TINSMITH_CATALOG_URL), answers the gateway's catalog queries over NATS, deletes
+checkpoints whose TTL has passed, and garbage-collects orphaned blobs (TINSMITH_BLOB_URL).
 """
 
 from __future__ import annotations
 
-from tinsmith import runtime, subjects
+import tempfile
+from collections.abc import Awaitable, Callable
+
+from tinsmith import catalog, runtime, subjects
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog
 
 from .config import CheckpointConfig
 from .handlers import Catalog
+from .projection import SqlProjection
+from .storage import Storage
 
 
-async def start(bus: Bus) -> None:
+async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = CheckpointConfig.from_env()
-    catalog = Catalog(EventLog(bus), BlobStore(config.blob_url))
-    await catalog.start()
-    await bus.serve(subjects.RESOLVE_CHECKPOINT, catalog.resolve)
-    await bus.serve(subjects.CATALOG_TRAINING_RUN, catalog.training_run)
+    eventlog = EventLog(bus)
+    blobs = BlobStore(config.blob_url)
+    scratch = None
+    url = config.catalog_url
+    if not url:  # no database configured: a throwaway one, rebuilt from the log at each start
+        scratch = tempfile.TemporaryDirectory(prefix="tinsmith-catalog-")
+        url = f"sqlite+aiosqlite:///{scratch.name}/catalog.db"
+    engine = catalog.create_engine(url)
+    projection = SqlProjection(eventlog, engine)
+    storage = Storage(
+        eventlog,
+        projection,
+        blobs,
+        gc_grace_s=config.gc_grace_s,
+        gc_interval_s=config.gc_interval_s,
+    )
+    service = Catalog(eventlog, projection, storage, blobs, url_ttl_s=config.url_ttl_s)
+    await projection.start()
+    storage.start()
+    await bus.serve(subjects.RESOLVE_CHECKPOINT, service.resolve)
+    for op, handler in service.operations().items():
+        await bus.serve(subjects.catalog_subject(op), handler)
+
+    async def stop() -> None:
+        await engine.dispose()
+        if scratch is not None:
+            scratch.cleanup()
+
+    return stop
 
 
 if __name__ == "__main__":

@@ -9,7 +9,21 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class CheckpointConfig:
     blob_url: str
+    # The SQL catalog (read models of the event log): sqlite+aiosqlite:///... or
+    # postgresql+asyncpg://...; `tinsmith up` puts a SQLite file in its data directory. Empty: a
+    # SQLite file in a temporary directory, rebuilt from the log at every start.
+    catalog_url: str
+    # Garbage collection: an artifact in the store that no event records is removed once it is
+    # this old (a save in progress writes its blob before it records it), on start and then
+    # every gc_interval_s.
+    gc_grace_s: float = 3600.0
+    gc_interval_s: float = 6 * 3600.0
+    # How long the download URLs of get_external_weights_urls stay valid.
+    url_ttl_s: int = 3600
 
     @classmethod
     def from_env(cls) -> CheckpointConfig:
-        return cls(blob_url=os.environ.get("TINSMITH_BLOB_URL", "file://./blobs"))
+        return cls(
+            blob_url=os.environ.get("TINSMITH_BLOB_URL", "file://./blobs"),
+            catalog_url=os.environ.get("TINSMITH_CATALOG_URL", ""),
+        )

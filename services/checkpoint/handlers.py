@@ -1,32 +1,242 @@
-"""The checkpoint catalog's queries, answered from a projection of the event log.
+"""The catalog's answers: every REST read and change the gateway forwards, and what a tinker://
+path refers to, from the SQL read models.
 
-Owns: resolving a tinker:// path to the checkpoint behind it (and checking its bytes are really
-in the object store). Does not own: writing checkpoints (the trainer does).
+Owns: the Tinker REST JSON of training runs, checkpoints, sessions and storage usage; who may
+see or change what (a caller owns the sessions made with its API key, and the runs and
+checkpoints in them; ``access_scope=accessible`` adds runs with a published checkpoint); and
+turning deletes, publishes and TTLs into events. Does not own: the tables (tinsmith/catalog.py),
+following the log (projection.py) or the object store (storage.py).
+
+Every answer waits until the catalog reflects the whole log as it was when the question arrived,
+so a client reads its own writes (a checkpoint listed as soon as save_state returned).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from typing import Any
 
-from tinsmith import artifacts
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from tinsmith import artifacts, catalog, events
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
-from tinsmith.eventlog import EventLog, FollowedProjection
-from tinsmith.failures import NotFound, TinsmithError
+from tinsmith.eventlog import EventLog
+from tinsmith.failures import InvalidRequest, NotFound, TinsmithError
+
+from .projection import SqlProjection
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+JsonDict = dict[str, Any]
+TTL_MIN_S = 3600
+TTL_MAX_S = 10 * 365 * 24 * 3600
+_GIGABYTE = 1024**3
 
 
 class Catalog:
-    def __init__(self, eventlog: EventLog, blobs: BlobStore) -> None:
-        self.projection = FollowedProjection(eventlog)
+    def __init__(
+        self,
+        eventlog: EventLog,
+        projection: SqlProjection,
+        storage: Storage,
+        blobs: BlobStore,
+        *,
+        url_ttl_s: int,
+    ) -> None:
+        self.log = eventlog
+        self.projection = projection
+        self.storage = storage
         self.blobs = blobs
+        self.url_ttl_s = url_ttl_s
 
-    async def start(self) -> None:
-        await self.projection.start()
+    def operations(self) -> dict[str, Callable[[bytes], Awaitable[bytes]]]:
+        """Each catalog operation (tinsmith/subjects.CATALOG_OPS) and its bus handler."""
+        ops: dict[str, Callable[[bus.CatalogQuery], Awaitable[Any]]] = {
+            "training_run": self.training_run,
+            "training_runs": self.training_runs,
+            "checkpoints": self.checkpoints,
+            "user_checkpoints": self.user_checkpoints,
+            "weights_info": self.weights_info,
+            "sessions": self.sessions,
+            "session": self.session,
+            "delete_checkpoint": self.delete_checkpoint,
+            "publish_checkpoint": self.publish_checkpoint,
+            "set_checkpoint_ttl": self.set_checkpoint_ttl,
+            "external_weights_urls": self.external_weights_urls,
+            "storage_usage": self.storage_usage,
+            "gc": self.gc,
+        }
+        return {name: _answer(name, fn) for name, fn in ops.items()}
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    async def training_run(self, query: bus.CatalogQuery) -> JsonDict:
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            run = await self._run(session, query, query.training_run_id)
+            return await _training_run(session, run)
+
+    async def training_runs(self, query: bus.CatalogQuery) -> JsonDict:
+        limit, offset = _page(query, default_limit=20)
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            rows, total = await catalog.runs(
+                session,
+                owner=query.owner,
+                accessible=_accessible(query),
+                project_id=query.project_id,
+                limit=limit,
+                offset=offset,
+            )
+            return {
+                "training_runs": [await _training_run(session, row) for row in rows],
+                "cursor": {"offset": offset, "limit": limit, "total_count": total},
+            }
+
+    async def checkpoints(self, query: bus.CatalogQuery) -> JsonDict:
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            run = await self._run(session, query, query.training_run_id)
+            rows = await catalog.checkpoints_of(session, run.model_id)
+        return {
+            "checkpoints": [_checkpoint(row) for row in rows],
+            "cursor": {"offset": 0, "limit": len(rows), "total_count": len(rows)},
+        }
+
+    async def user_checkpoints(self, query: bus.CatalogQuery) -> JsonDict:
+        limit, offset = _page(query, default_limit=100)
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            rows, total = await catalog.user_checkpoints(
+                session, owner=query.owner, limit=limit, offset=offset
+            )
+        return {
+            "checkpoints": [_checkpoint(row) for row in rows],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total},
+        }
+
+    async def weights_info(self, query: bus.CatalogQuery) -> JsonDict:
+        row = await self._checkpoint(query, mine=False)
+        return {
+            "base_model": row.base_model,
+            "is_lora": True,
+            "lora_rank": row.lora_rank,
+            "optimizer_config": {"type": "adamw"},
+            "train_unembed": row.train_unembed,
+            "train_mlp": row.train_mlp,
+            "train_attn": row.train_attn,
+        }
+
+    async def sessions(self, query: bus.CatalogQuery) -> JsonDict:
+        limit, offset = _page(query, default_limit=20)
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            rows = await catalog.sessions(session, owner=query.owner, limit=limit, offset=offset)
+        return {"sessions": [row.session_id for row in rows]}
+
+    async def session(self, query: bus.CatalogQuery) -> JsonDict:
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            row = await session.get(catalog.SessionRow, query.session_id)
+            if row is None or row.owner not in (query.owner, ""):
+                raise NotFound(f"no session {query.session_id!r} owned by this API key")
+            run_ids, sampler_ids = await catalog.session_members(session, row.session_id)
+        body: JsonDict = {
+            "training_run_ids": run_ids,
+            "sampler_ids": sampler_ids,
+            "user_metadata": row.user_metadata,
+        }
+        if row.display_name:
+            body["display_name"] = row.display_name
+        return body
+
+    async def storage_usage(self, query: bus.CatalogQuery) -> JsonDict:
+        """Live checkpoints and their bytes, per owner and project (``billing/usage/checkpoints/
+        current``)."""
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            rows = await catalog.storage_usage(session, query.project_id)
+        return {
+            "data": [
+                {
+                    "project_id": project or None,
+                    "org_user_urn": owner or None,
+                    "checkpoint_count": count,
+                    "size_bytes": size,
+                    "size_gigabytes": size / _GIGABYTE,
+                }
+                for owner, project, count, size in rows
+            ]
+        }
+
+    async def external_weights_urls(self, query: bus.CatalogQuery) -> JsonDict:
+        """A URL per file of the checkpoint that a plain HTTP GET downloads: presigned by the
+        object store where it can (s3://, gs://), else served and checked by the gateway."""
+        row = await self._checkpoint(query, mine=False)
+        expires = int(time.time()) + self.url_ttl_s
+        try:
+            files = await self.blobs.files(row.blob_key)
+        except FileNotFoundError:
+            raise NotFound(f"the files of {row.tinker_path} are no longer in storage") from None
+        if self.blobs.presigns:
+            urls = {
+                name: self.blobs.presigned_url(row.blob_key, name, self.url_ttl_s)
+                for name in sorted(files)
+            }
+        else:
+            if not query.base_url:
+                raise InvalidRequest("download URLs need the gateway's base URL")
+            urls = {
+                name: f"{query.base_url}/api/v1/blobs/"
+                + self.blobs.signed_query(row.blob_key, name, expires)
+                for name in sorted(files)
+            }
+        return {"urls": urls, "expires": _iso(expires)}
+
+    # -- changes -------------------------------------------------------------------------------
+
+    async def delete_checkpoint(self, query: bus.CatalogQuery) -> JsonDict:
+        row = await self._checkpoint(query, mine=True)
+        await self.storage.delete(row, "deleted")
+        return {}
+
+    async def publish_checkpoint(self, query: bus.CatalogQuery) -> JsonDict:
+        row = await self._checkpoint(query, mine=True)
+        if row.public != query.public:
+            published = bus.CheckpointPublished(
+                model_id=row.model_id, tinker_path=row.tinker_path, public=query.public
+            )
+            await self._append(events.make(checkpoint_published=published))
+        return {}
+
+    async def set_checkpoint_ttl(self, query: bus.CatalogQuery) -> JsonDict:
+        row = await self._checkpoint(query, mine=True)
+        ttl_set = bus.CheckpointTtlSet(model_id=row.model_id, tinker_path=row.tinker_path)
+        if query.HasField("ttl_seconds"):
+            if not TTL_MIN_S <= query.ttl_seconds <= TTL_MAX_S:
+                raise InvalidRequest(
+                    f"ttl_seconds {query.ttl_seconds} is out of range: use {TTL_MIN_S} (an hour) "
+                    f"to {TTL_MAX_S} (ten years), or null to remove the expiry"
+                )
+            ttl_set.ttl_seconds = query.ttl_seconds
+            ttl_set.expires_at = time.time() + query.ttl_seconds
+        await self._append(events.make(checkpoint_ttl_set=ttl_set))
+        return {}
+
+    async def gc(self, query: bus.CatalogQuery) -> JsonDict:
+        grace = query.grace_s if query.grace_s > 0 else self.storage.gc_grace_s
+        return {"removed": await self.storage.collect(grace)}
+
+    # -- resolving tinker:// paths -------------------------------------------------------------
 
     async def resolve(self, payload: bytes) -> bytes:
-        query = bus.ResolveCheckpoint()
-        query.ParseFromString(payload)
+        query = bus.ResolveCheckpoint.FromString(payload)
         try:
             checkpoint = await self._resolve(query.tinker_path)
         except TinsmithError as error:
@@ -35,66 +245,143 @@ class Catalog:
             ).SerializeToString()
         return bus.ResolvedCheckpoint(checkpoint=checkpoint).SerializeToString()
 
-    async def training_run(self, payload: bytes) -> bytes:
-        """``GET /training_runs/{id}``: the run as the SDK's ``TrainingRun``."""
-        query = bus.CatalogQuery.FromString(payload)
-        state = self.projection.state
-        run = state.runs.get(query.training_run_id)
-        if run is None:
-            await self.projection.catch_up()
-            run = state.runs.get(query.training_run_id)
-        if run is None:
-            error = NotFound(f"no training run {query.training_run_id!r}")
-            return bus.CatalogReply(
-                error_kind=error.kind, error_detail=error.detail
-            ).SerializeToString()
-        body = {
-            "training_run_id": run.model_id,
-            "base_model": run.base_model,
-            "model_owner": "local",
-            "is_lora": True,
-            "corrupted": False,
-            "lora_rank": run.lora_rank,
-            "last_request_time": _iso(run.last_request_time),
-            "last_checkpoint": self._checkpoint(run.last_checkpoint),
-            "last_sampler_checkpoint": self._checkpoint(run.last_sampler_checkpoint),
-            "user_metadata": dict(run.user_metadata),
-        }
-        return bus.CatalogReply(json=json.dumps(body).encode()).SerializeToString()
-
-    def _checkpoint(self, tinker_path: str) -> dict[str, object] | None:
-        """A ``Checkpoint`` as the SDK's REST types spell it."""
-        saved = self.projection.state.checkpoints.get(tinker_path)
-        if saved is None:
-            return None
-        path = artifacts.parse(tinker_path)
-        saved_at = self.projection.state.saved_at[tinker_path]
-        body: dict[str, object] = {
-            "checkpoint_id": f"{artifacts.SEGMENTS[path.kind]}/{path.name}",
-            "checkpoint_type": "training"
-            if path.kind == bus.CHECKPOINT_KIND_TRAINING
-            else "sampler",
-            "time": _iso(saved_at),
-            "tinker_path": tinker_path,
-            "size_bytes": saved.size_bytes,
-            "public": False,
-        }
-        if saved.HasField("ttl_seconds"):
-            body["expires_at"] = _iso(saved_at + saved.ttl_seconds)
-        return body
-
     async def _resolve(self, tinker_path: str) -> bus.WeightsSaved:
         artifacts.parse(tinker_path)
-        checkpoint = self.projection.state.checkpoints.get(tinker_path)
-        if checkpoint is None:
+        async with self.projection.session() as session:
+            row = await session.get(catalog.CheckpointRow, tinker_path)
+        if row is None:
             await self.projection.catch_up()  # saved a moment ago, perhaps
-            checkpoint = self.projection.state.checkpoints.get(tinker_path)
-        if checkpoint is None:
+            async with self.projection.session() as session:
+                row = await session.get(catalog.CheckpointRow, tinker_path)
+        if row is None:
             raise NotFound(f"no checkpoint at {tinker_path}")
-        if not await self.blobs.exists(checkpoint.blob_key):
+        if not await self.blobs.exists(row.blob_key):
             raise NotFound(f"the weights of {tinker_path} are no longer in the object store")
-        return checkpoint
+        saved = bus.WeightsSaved(
+            model_id=row.model_id,
+            tinker_path=row.tinker_path,
+            blob_key=row.blob_key,
+            kind=artifacts.parse(row.tinker_path).kind,
+            base_model=row.base_model,
+            lora_rank=row.lora_rank,
+            size_bytes=row.size_bytes,
+            user_metadata=row.user_metadata,
+            lora=bus.LoraConfig(
+                rank=row.lora_rank,
+                train_mlp=row.train_mlp,
+                train_attn=row.train_attn,
+                train_unembed=row.train_unembed,
+            ),
+        )
+        if row.ttl_seconds is not None:
+            saved.ttl_seconds = row.ttl_seconds
+        return saved
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _run(
+        self, session: AsyncSession, query: bus.CatalogQuery, model_id: str
+    ) -> catalog.RunRow:
+        run = await session.get(catalog.RunRow, model_id)
+        if run is not None and run.owner in (query.owner, ""):
+            return run
+        if (
+            run is not None
+            and _accessible(query)
+            and await catalog.has_public_checkpoint(session, model_id)
+        ):
+            return run
+        raise NotFound(
+            f"no training run {model_id!r} owned by this API key (access_scope='accessible' also "
+            "finds runs with a published checkpoint)"
+        )
+
+    async def _checkpoint(self, query: bus.CatalogQuery, *, mine: bool) -> catalog.CheckpointRow:
+        """The checkpoint a query names. Changing it needs its owner; reading it, also a
+        published one."""
+        path = artifacts.parse(query.tinker_path)
+        await self.projection.catch_up()
+        async with self.projection.session() as session:
+            row = await session.get(catalog.CheckpointRow, str(path))
+        if row is None or not (row.owner in (query.owner, "") or (row.public and not mine)):
+            raise NotFound(f"no checkpoint {path} owned by this API key")
+        return row
+
+    async def _append(self, event: bus.Event) -> None:
+        seq, _ = await self.log.append(event)
+        await self.projection.wait_for(seq)
+
+
+async def _training_run(session: AsyncSession, run: catalog.RunRow) -> JsonDict:
+    """A ``TrainingRun`` as the SDK's REST types spell it; ``user_metadata`` exactly as sent."""
+    training = await catalog.latest_checkpoint(session, run.model_id, "training")
+    sampler = await catalog.latest_checkpoint(session, run.model_id, "sampler")
+    return {
+        "training_run_id": run.model_id,
+        "base_model": run.base_model,
+        "model_owner": run.owner or "local",
+        "is_lora": True,
+        "corrupted": False,
+        "lora_rank": run.lora_rank,
+        "last_request_time": _iso(run.last_request_time),
+        "last_checkpoint": _checkpoint(training) if training else None,
+        "last_sampler_checkpoint": _checkpoint(sampler) if sampler else None,
+        "user_metadata": dict(run.user_metadata),
+    }
+
+
+def _checkpoint(row: catalog.CheckpointRow) -> JsonDict:
+    """A ``Checkpoint`` as the SDK's REST types spell it."""
+    body: JsonDict = {
+        "checkpoint_id": row.checkpoint_id,
+        "checkpoint_type": row.checkpoint_type,
+        "time": _iso(row.created_at),
+        "tinker_path": row.tinker_path,
+        "size_bytes": row.size_bytes,
+        "public": row.public,
+        "user_metadata": dict(row.user_metadata) or None,
+        "expires_at": _iso(row.expires_at) if row.expires_at is not None else None,
+    }
+    return body
+
+
+def _accessible(query: bus.CatalogQuery) -> bool:
+    scope = query.access_scope or "owned"
+    if scope not in ("owned", "accessible"):
+        raise InvalidRequest(f"access_scope {scope!r} is not accepted: use 'owned' or 'accessible'")
+    return scope == "accessible"
+
+
+def _page(query: bus.CatalogQuery, *, default_limit: int) -> tuple[int, int]:
+    limit = query.limit or default_limit
+    if not 1 <= limit <= 1000:
+        raise InvalidRequest(f"limit {limit} is out of range: use 1 to 1000")
+    if query.offset < 0:
+        raise InvalidRequest(f"offset {query.offset} is out of range: use 0 or more")
+    return limit, query.offset
 
 
 def _iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat()
+
+
+def _answer(
+    name: str, fn: Callable[[bus.CatalogQuery], Awaitable[JsonDict]]
+) -> Callable[[bytes], Awaitable[bytes]]:
+    """A bus handler: a CatalogQuery in, a CatalogReply out, an error as its kind and detail."""
+
+    async def handle(payload: bytes) -> bytes:
+        try:
+            body = await fn(bus.CatalogQuery.FromString(payload))
+        except TinsmithError as error:
+            return bus.CatalogReply(
+                error_kind=error.kind, error_detail=error.detail
+            ).SerializeToString()
+        except Exception as exc:
+            log.exception("catalog operation %s failed", name)
+            return bus.CatalogReply(
+                error_kind="internal", error_detail=f"the catalog's {name} failed: {exc}"
+            ).SerializeToString()
+        return bus.CatalogReply(json=json.dumps(body).encode()).SerializeToString()
+
+    return handle

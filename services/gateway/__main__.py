@@ -11,19 +11,22 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from tinsmith import runtime
+from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog
 
 from .config import GatewayConfig
 from .handlers import Gateway
 from .http import build_app
+from .rest import Rest
 
 
 async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = GatewayConfig.from_env()
     gateway = Gateway(config, EventLog(bus))
     await gateway.start()
-    runner = web.AppRunner(build_app(gateway), access_log=None)
+    rest = Rest(bus, BlobStore(config.blob_url) if config.blob_url else None)
+    runner = web.AppRunner(build_app(gateway, rest), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
     return runner.cleanup

@@ -18,6 +18,9 @@ class GatewayConfig:
     # Sample requests accepted but not yet answered, across all samplers, beyond which asample
     # answers 429 (the SDK backs off and resubmits).
     sampler_queue_limit: int = 4096
+    # The object store, only to serve the signed download URLs of stores that cannot presign
+    # their own (file://); empty: no downloads through the gateway.
+    blob_url: str = ""
 
     @classmethod
     def from_env(cls) -> GatewayConfig:
@@ -28,4 +31,5 @@ class GatewayConfig:
             sampler_queue_limit=int(
                 os.environ.get("TINSMITH_SAMPLER_QUEUE_LIMIT", cls.sampler_queue_limit)
             ),
+            blob_url=os.environ.get("TINSMITH_BLOB_URL", ""),
         )

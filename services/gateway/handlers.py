@@ -77,10 +77,11 @@ class Gateway:
             ]
         }
 
-    async def create_session(self, body: JsonDict) -> JsonDict:
+    async def create_session(self, body: JsonDict, owner: str = "") -> JsonDict:
         session_id = str(uuid.uuid4())
         created = bus.SessionCreated(
             session_id=session_id,
+            owner=owner,
             tags=wire.str_list(body, "tags"),
             user_metadata=wire.str_map(body, "user_metadata"),
             project_id=wire.opt_str(body, "project_id") or "",
@@ -263,29 +264,40 @@ class Gateway:
             lambda: {"optim_step": bus.OptimStep(adam=wire.adam_params(body.get("adam_params")))},
         )
 
-    async def save_weights(self, body: JsonDict, *, for_sampler: bool) -> JsonDict:
+    async def save_weights(
+        self, body: JsonDict, *, for_sampler: bool = False, external: bool = False
+    ) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))
         seq_id = wire.req_int(body, "seq_id", minimum=1)
+        if external:
+            kind = bus.CHECKPOINT_KIND_EXTERNAL
+        else:
+            kind = bus.CHECKPOINT_KIND_SAMPLER if for_sampler else bus.CHECKPOINT_KIND_TRAINING
         return await self._submit(
-            run, seq_id, lambda: {"save_weights": self._save_command(run, body, for_sampler)}
+            run, seq_id, lambda: {"save_weights": self._save_command(run, body, kind, seq_id)}
         )
 
     def _save_command(
-        self, run: jobs.RunState, body: JsonDict, for_sampler: bool
+        self, run: jobs.RunState, body: JsonDict, kind: bus.CheckpointKind, seq_id: int
     ) -> bus.SaveWeights:
         name = wire.opt_str(body, "path")
-        command = bus.SaveWeights(
-            kind=bus.CHECKPOINT_KIND_SAMPLER if for_sampler else bus.CHECKPOINT_KIND_TRAINING,
-            user_metadata=wire.str_map(body, "user_metadata"),
-        )
+        for_sampler = kind == bus.CHECKPOINT_KIND_SAMPLER
+        if kind == bus.CHECKPOINT_KIND_EXTERNAL and body.get("age_encryption_recipients"):
+            raise InvalidRequest(
+                "age_encryption_recipients is not supported: external weights are stored "
+                "unencrypted; leave it out"
+            )
+        command = bus.SaveWeights(kind=kind, user_metadata=wire.str_map(body, "user_metadata"))
         ttl = body.get("ttl_seconds")
         if ttl is not None:
             command.ttl_seconds = wire.req_int(body, "ttl_seconds", minimum=1)
         if name:
             command.name = artifacts.check_name(name)
             path = artifacts.TinkerPath(run.model_id, command.kind, command.name)
-            if str(path) in self.state.checkpoints and not body.get("overwrite", False):
-                raise InvalidRequest(f"checkpoint {path} already exists; pass overwrite=True")
+            if str(path) in self.state.checkpoints:
+                if not body.get("overwrite", False):
+                    raise InvalidRequest(f"checkpoint {path} already exists; pass overwrite=True")
+                command.blob_key = path.overwrite_key(seq_id)  # never rewritten in place
         elif for_sampler:
             counter = wire.req_int(body, "sampling_session_seq_id", minimum=0)
             command.sampler_id = subjects.check_id(
@@ -508,16 +520,6 @@ class Gateway:
         await self.log.append(
             events.make(request_rejected=rejected), msg_id=events.request_id(model_id, seq_id)
         )
-
-    async def training_run(self, training_run_id: str) -> bytes:
-        """The REST ``TrainingRun``, from the checkpoint service's catalog."""
-        query = bus.CatalogQuery(training_run_id=subjects.check_id("run id", training_run_id))
-        reply = bus.CatalogReply.FromString(
-            await self.log.bus.request(subjects.CATALOG_TRAINING_RUN, query.SerializeToString())
-        )
-        if reply.error_kind:
-            raise from_kind(reply.error_kind, reply.error_detail)
-        return reply.json
 
     async def _resolve(self, tinker_path: str) -> bus.WeightsSaved:
         """Ask the checkpoint service what a tinker:// path refers to."""

@@ -17,6 +17,7 @@ from aiohttp import web
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 
 from .handlers import Gateway
+from .rest import Rest, owner_of
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def build_app(gateway: Gateway) -> web.Application:
+def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
 
     def post(path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any]) -> None:
@@ -73,7 +74,6 @@ def build_app(gateway: Gateway) -> web.Application:
     post("/client/config", lambda _: gateway.client_config())
     post("/client/dynamic_config", lambda _: {"refresh_interval_sec": 300})
     post("/telemetry", lambda _: {"status": "accepted"})
-    post("/create_session", gateway.create_session)
     post("/session_heartbeat", gateway.heartbeat)
     post("/create_model", gateway.create_model)
     post("/get_info", gateway.get_info)
@@ -81,8 +81,13 @@ def build_app(gateway: Gateway) -> web.Application:
     post("/load_weights", gateway.load_weights)
     post("/save_weights", lambda body: gateway.save_weights(body, for_sampler=False))
     post("/save_weights_for_sampler", lambda body: gateway.save_weights(body, for_sampler=True))
+    post("/save_weights_external", lambda body: gateway.save_weights(body, external=True))
     post("/create_sampling_session", gateway.create_sampling_session)
     post("/asample", gateway.asample)
+
+    async def create_session(request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        return web.json_response(await gateway.create_session(body, owner=owner_of(request)))
 
     async def finish(request: web.Request) -> web.StreamResponse:
         body = await _json(request)
@@ -111,16 +116,13 @@ def build_app(gateway: Gateway) -> web.Application:
     async def healthz(_: web.Request) -> web.StreamResponse:
         return web.json_response({"status": "ok"})
 
+    app.router.add_post(API + "/create_session", create_session)
     app.router.add_post(API + "/sessions/{id}/finish", finish)
     app.router.add_post(API + "/forward_backward", forward_backward)
     app.router.add_post(API + "/retrieve_future", retrieve_future)
 
-    async def training_run(request: web.Request) -> web.StreamResponse:
-        body = await gateway.training_run(request.match_info["id"])
-        return web.Response(body=body, content_type="application/json")
-
     app.router.add_get(API + "/samplers/{id}", get_sampler)
-    app.router.add_get(API + "/training_runs/{id}", training_run)
     app.router.add_get(API + "/get_server_capabilities", capabilities)
     app.router.add_get(API + "/healthz", healthz)
+    (rest or Rest(gateway.log.bus, None)).add_routes(app)  # training runs, checkpoints, ...
     return app

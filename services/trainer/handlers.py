@@ -283,7 +283,7 @@ class Trainer:
         training = command.kind == bus.CHECKPOINT_KIND_TRAINING
         if command.name:
             path = artifacts.TinkerPath(model_id, command.kind, command.name)
-            key, tinker_path = path.key, str(path)
+            key, tinker_path = command.blob_key or path.key, str(path)
         else:
             key, tinker_path = artifacts.ephemeral_sampler_key(model_id, command.sampler_id), ""
         metadata, size = await self._export(model_id, key, with_optimizer=training)
@@ -305,6 +305,8 @@ class Trainer:
             await self.log.append(events.make(weights_saved=saved))
         if training:
             return _json({"type": "save_weights", "path": tinker_path})
+        if command.kind == bus.CHECKPOINT_KIND_EXTERNAL:
+            return _json({"type": "save_weights_external", "path": tinker_path, "size_bytes": size})
         if tinker_path:
             return _json({"type": "save_weights_for_sampler", "path": tinker_path})
         sampler = bus.SamplerCreated(

@@ -40,11 +40,7 @@ PER_MACHINE: dict[str, str] = {}
 
 # Variables the manifests provide before the code reads them, each with the reason; the test
 # fails once the code reads one, so that it leaves this list.
-AHEAD_OF_CODE = {
-    # DESIGN.md section 7: the SQL catalog's URL. The checkpoint service keeps its catalog in
-    # memory until the catalog issue lands; the Secret is wired already (base/checkpoint.yaml).
-    "TINSMITH_CATALOG_URL": "the checkpoint service's SQL catalog",
-}
+AHEAD_OF_CODE: dict[str, str] = {}
 
 # Keys of the ConfigMap that are not tinsmith's own: the OpenTelemetry SDK's standard variables
 # (DESIGN.md section 7), set by components/otel-collector.

@@ -13,9 +13,11 @@ class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CHECKPOINT_KIND_UNSPECIFIED: _ClassVar[CheckpointKind]
     CHECKPOINT_KIND_TRAINING: _ClassVar[CheckpointKind]
     CHECKPOINT_KIND_SAMPLER: _ClassVar[CheckpointKind]
+    CHECKPOINT_KIND_EXTERNAL: _ClassVar[CheckpointKind]
 CHECKPOINT_KIND_UNSPECIFIED: CheckpointKind
 CHECKPOINT_KIND_TRAINING: CheckpointKind
 CHECKPOINT_KIND_SAMPLER: CheckpointKind
+CHECKPOINT_KIND_EXTERNAL: CheckpointKind
 
 class LoraConfig(_message.Message):
     __slots__ = ("rank", "seed", "train_mlp", "train_attn", "train_unembed")
@@ -91,7 +93,7 @@ class OptimStep(_message.Message):
     def __init__(self, adam: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
 
 class SaveWeights(_message.Message):
-    __slots__ = ("kind", "name", "sampler_id", "ttl_seconds", "user_metadata")
+    __slots__ = ("kind", "name", "sampler_id", "ttl_seconds", "user_metadata", "blob_key")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,12 +106,14 @@ class SaveWeights(_message.Message):
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    BLOB_KEY_FIELD_NUMBER: _ClassVar[int]
     kind: CheckpointKind
     name: str
     sampler_id: str
     ttl_seconds: int
     user_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., sampler_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    blob_key: str
+    def __init__(self, kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., sampler_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., blob_key: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k")
@@ -138,7 +142,7 @@ class Sample(_message.Message):
     def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., target_prompt_logprobs: _Optional[_Union[_tinker_public_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens_k: _Optional[int] = ...) -> None: ...
 
 class SessionCreated(_message.Message):
-    __slots__ = ("session_id", "tags", "user_metadata", "project_id", "display_name", "sdk_version")
+    __slots__ = ("session_id", "tags", "user_metadata", "project_id", "display_name", "sdk_version", "owner")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,13 +156,15 @@ class SessionCreated(_message.Message):
     PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
     DISPLAY_NAME_FIELD_NUMBER: _ClassVar[int]
     SDK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tags: _containers.RepeatedScalarFieldContainer[str]
     user_metadata: _containers.ScalarMap[str, str]
     project_id: str
     display_name: str
     sdk_version: str
-    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., project_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sdk_version: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, session_id: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., project_id: _Optional[str] = ..., display_name: _Optional[str] = ..., sdk_version: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class SessionFinished(_message.Message):
     __slots__ = ("session_id", "reason", "detail")
@@ -321,7 +327,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +340,9 @@ class Event(_message.Message):
     SAMPLER_CREATED_FIELD_NUMBER: _ClassVar[int]
     RUN_UNLOADED_FIELD_NUMBER: _ClassVar[int]
     RUN_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DELETED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TTL_SET_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -346,7 +355,10 @@ class Event(_message.Message):
     sampler_created: SamplerCreated
     run_unloaded: RunUnloaded
     run_restored: RunRestored
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ...) -> None: ...
+    checkpoint_deleted: CheckpointDeleted
+    checkpoint_published: CheckpointPublished
+    checkpoint_ttl_set: CheckpointTtlSet
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ...) -> None: ...
 
 class ResolveCheckpoint(_message.Message):
     __slots__ = ("tinker_path",)
@@ -355,10 +367,32 @@ class ResolveCheckpoint(_message.Message):
     def __init__(self, tinker_path: _Optional[str] = ...) -> None: ...
 
 class CatalogQuery(_message.Message):
-    __slots__ = ("training_run_id",)
+    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s")
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    GRACE_S_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
-    def __init__(self, training_run_id: _Optional[str] = ...) -> None: ...
+    owner: str
+    access_scope: str
+    limit: int
+    offset: int
+    project_id: str
+    tinker_path: str
+    session_id: str
+    ttl_seconds: int
+    public: bool
+    base_url: str
+    grace_s: float
+    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
 
 class CatalogReply(_message.Message):
     __slots__ = ("error_kind", "error_detail", "json")
@@ -379,3 +413,37 @@ class ResolvedCheckpoint(_message.Message):
     error_detail: str
     checkpoint: WeightsSaved
     def __init__(self, error_kind: _Optional[str] = ..., error_detail: _Optional[str] = ..., checkpoint: _Optional[_Union[WeightsSaved, _Mapping]] = ...) -> None: ...
+
+class CheckpointDeleted(_message.Message):
+    __slots__ = ("model_id", "tinker_path", "blob_key", "reason")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    BLOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tinker_path: str
+    blob_key: str
+    reason: str
+    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., blob_key: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointPublished(_message.Message):
+    __slots__ = ("model_id", "tinker_path", "public")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tinker_path: str
+    public: bool
+    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
+
+class CheckpointTtlSet(_message.Message):
+    __slots__ = ("model_id", "tinker_path", "ttl_seconds", "expires_at")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tinker_path: str
+    ttl_seconds: int
+    expires_at: float
+    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., expires_at: _Optional[float] = ...) -> None: ...

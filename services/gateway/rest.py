@@ -1,0 +1,213 @@
+"""The Tinker REST API (what ``tinker.RestClient``, ``AdminClient`` and the ``tinker`` command
+line call): training runs, checkpoints, sessions, storage usage, and the downloads of signed
+URLs for stores that cannot presign their own (file://).
+
+Owns: the routes and their parameters, the caller's identity (a digest of its API key, never the
+key), and relaying each call to the checkpoint service's catalog over NATS. Does not own the
+answers: the catalog (services/checkpoint) builds the JSON; the gateway holds no state of its
+own, so it forwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from typing import Any
+
+from aiohttp import web
+
+from tinsmith import artifacts, subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith.blobs import BlobStore
+from tinsmith.bus import Bus
+from tinsmith.failures import InvalidRequest, NotFound, from_kind
+
+API = "/api/v1"
+_CHECKPOINT = API + "/training_runs/{run}/checkpoints/{segment}/{name}"
+
+
+def owner_of(request: web.Request) -> str:
+    """Who is calling: a digest of the API key, so that the catalog never stores a key."""
+    key = request.headers.get("X-API-Key", "")
+    if not key:
+        return ""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class Rest:
+    def __init__(self, bus_: Bus, blobs: BlobStore | None) -> None:
+        self.bus = bus_
+        self.blobs = blobs
+
+    def add_routes(self, app: web.Application) -> None:
+        get, add = app.router.add_get, app.router.add_route
+        get(API + "/training_runs", self.training_runs)
+        get(API + "/training_runs/{run}", self.training_run)
+        get(API + "/training_runs/{run}/checkpoints", self.checkpoints)
+        get(API + "/checkpoints", self.user_checkpoints)
+        add("DELETE", _CHECKPOINT, self.delete_checkpoint)
+        add("POST", _CHECKPOINT + "/publish", self.publish)
+        add("DELETE", _CHECKPOINT + "/publish", self.unpublish)
+        add("PUT", _CHECKPOINT + "/ttl", self.set_ttl)
+        get(_CHECKPOINT + "/external_weights_urls", self.external_weights_urls)
+        add("POST", API + "/weights_info", self.weights_info)
+        get(API + "/sessions", self.sessions)
+        get(API + "/sessions/{session}", self.session)
+        get(API + "/billing/usage/checkpoints/current", self.storage_usage)
+        get(API + "/blobs/{path:.+}", self.download)
+
+    async def _ask(self, op: str, request: web.Request, **fields: Any) -> web.Response:
+        """Relay one operation to the catalog; its JSON is the answer, its error the status."""
+        query = bus.CatalogQuery(owner=owner_of(request), **fields)
+        reply = bus.CatalogReply.FromString(
+            await self.bus.request(subjects.catalog_subject(op), query.SerializeToString())
+        )
+        if reply.error_kind:
+            raise from_kind(reply.error_kind, reply.error_detail)
+        return web.Response(body=reply.json, content_type="application/json")
+
+    # -- training runs and checkpoints ---------------------------------------------------------
+
+    async def training_runs(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "training_runs",
+            request,
+            limit=_int(request, "limit", 20),
+            offset=_int(request, "offset", 0),
+            access_scope=request.query.get("access_scope", "owned"),
+            project_id=request.query.get("project_id", ""),
+        )
+
+    async def training_run(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "training_run",
+            request,
+            training_run_id=subjects.check_id("training run id", request.match_info["run"]),
+            access_scope=request.query.get("access_scope", "owned"),
+        )
+
+    async def checkpoints(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "checkpoints",
+            request,
+            training_run_id=subjects.check_id("training run id", request.match_info["run"]),
+            access_scope=request.query.get("access_scope", "owned"),
+        )
+
+    async def user_checkpoints(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "user_checkpoints",
+            request,
+            limit=_int(request, "limit", 100),
+            offset=_int(request, "offset", 0),
+        )
+
+    async def delete_checkpoint(self, request: web.Request) -> web.Response:
+        return await self._ask("delete_checkpoint", request, tinker_path=_path(request))
+
+    async def publish(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "publish_checkpoint", request, tinker_path=_path(request), public=True
+        )
+
+    async def unpublish(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "publish_checkpoint", request, tinker_path=_path(request), public=False
+        )
+
+    async def set_ttl(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        ttl = body.get("ttl_seconds")
+        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
+            raise InvalidRequest(f"ttl_seconds must be an integer or null, got {ttl!r}")
+        return await self._ask(
+            "set_checkpoint_ttl", request, tinker_path=_path(request), ttl_seconds=ttl
+        )
+
+    async def external_weights_urls(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "external_weights_urls",
+            request,
+            tinker_path=_path(request),
+            base_url=f"{request.scheme}://{request.host}",
+        )
+
+    async def weights_info(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        path = body.get("tinker_path")
+        if not isinstance(path, str):
+            raise InvalidRequest("weights_info needs 'tinker_path', a tinker:// checkpoint path")
+        return await self._ask("weights_info", request, tinker_path=str(artifacts.parse(path)))
+
+    # -- sessions and usage --------------------------------------------------------------------
+
+    async def sessions(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "sessions", request, limit=_int(request, "limit", 20), offset=_int(request, "offset", 0)
+        )
+
+    async def session(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "session",
+            request,
+            session_id=subjects.check_id("session id", request.match_info["session"]),
+        )
+
+    async def storage_usage(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "storage_usage", request, project_id=request.query.get("project_id", "")
+        )
+
+    # -- downloads -----------------------------------------------------------------------------
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        """One file of a checkpoint, for a URL the catalog signed (stores that cannot presign)."""
+        if self.blobs is None:
+            raise NotFound("this gateway serves no downloads: it has no TINSMITH_BLOB_URL")
+        store_path = self.blobs.verify(
+            request.match_info["path"],
+            request.query.get("expires", ""),
+            request.query.get("signature", ""),
+        )
+        blobs = self.blobs
+        if blobs.local:
+            if not await asyncio.to_thread(blobs.fs.isfile, store_path):
+                raise NotFound("the file is no longer in storage")
+            return web.FileResponse(store_path)
+        try:
+            data = await asyncio.to_thread(lambda: b"".join(blobs.read_chunks(store_path)))
+        except FileNotFoundError:
+            raise NotFound("the file is no longer in storage") from None
+        return web.Response(body=data, content_type="application/octet-stream")
+
+
+def _path(request: web.Request) -> str:
+    """The tinker:// path of the checkpoint a route names (validated: a bad name is a 400 and
+    never reaches storage)."""
+    info = request.match_info
+    checkpoint = artifacts.checkpoint(info["run"], f"{info['segment']}/{info['name']}")
+    return str(checkpoint)
+
+
+def _int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer, got {raw!r}") from None
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return body

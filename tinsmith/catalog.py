@@ -1,0 +1,497 @@
+"""The catalog: SQL read models of sessions, training runs, checkpoints, samplers and the blobs
+they reference, folded from the event log, plus the log position they reflect.
+
+Owns: the tables (SQLAlchemy 2 models), opening a database by URL (``sqlite+aiosqlite://`` or
+``postgresql+asyncpg://``), folding one event into the tables (``apply``), and the queries the
+REST API needs. Does not own: following the log (services/checkpoint) or deciding anything: every
+row is a pure consequence of the events, so the tables can be dropped and rebuilt at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, BigInteger, ColumnElement, Float, String, and_, func, or_, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import create_async_engine as _create_engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.pool import StaticPool
+
+from tinsmith import artifacts, events
+from tinsmith._proto import bus_pb2 as bus
+
+log = logging.getLogger(__name__)
+
+# Bump when the tables change: a catalog of another schema is dropped and rebuilt from the log.
+SCHEMA = 1
+_LOG = "events"
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, str]: JSON,
+        list[str]: JSON,
+        int: BigInteger,
+        float: Float(precision=53),
+    }
+
+
+class Position(Base):
+    """The log position the tables reflect, and the schema they were built with."""
+
+    __tablename__ = "catalog_position"
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    position: Mapped[int]
+    schema: Mapped[int]
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    session_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    seq: Mapped[int] = mapped_column(index=True)
+    created_at: Mapped[float]
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    project_id: Mapped[str] = mapped_column(String(200))
+    display_name: Mapped[str] = mapped_column(String(500))
+    sdk_version: Mapped[str] = mapped_column(String(50))
+    tags: Mapped[list[str]]
+    user_metadata: Mapped[dict[str, str]]
+    finished: Mapped[bool] = mapped_column(default=False)
+    finish_reason: Mapped[str] = mapped_column(String(50), default="")
+
+
+class RunRow(Base):
+    __tablename__ = "training_runs"
+    model_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    seq: Mapped[int] = mapped_column(index=True)
+    session_id: Mapped[str] = mapped_column(String(200), index=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    project_id: Mapped[str] = mapped_column(String(200))
+    base_model: Mapped[str] = mapped_column(String(500))
+    lora_rank: Mapped[int]
+    train_mlp: Mapped[bool]
+    train_attn: Mapped[bool]
+    train_unembed: Mapped[bool]
+    user_metadata: Mapped[dict[str, str]]
+    created_at: Mapped[float]
+    last_request_time: Mapped[float]
+    ready: Mapped[bool] = mapped_column(default=False)
+    tokenizer_id: Mapped[str] = mapped_column(String(1000), default="")
+    loaded_from: Mapped[str] = mapped_column(String(600), default="")
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+    tinker_path: Mapped[str] = mapped_column(String(600), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(200), index=True)
+    checkpoint_type: Mapped[str] = mapped_column(String(20))  # training | sampler | external
+    checkpoint_id: Mapped[str] = mapped_column(String(200))  # <segment>/<name>
+    blob_key: Mapped[str] = mapped_column(String(600))
+    seq: Mapped[int] = mapped_column(index=True)
+    created_at: Mapped[float]
+    size_bytes: Mapped[int]
+    base_model: Mapped[str] = mapped_column(String(500))
+    lora_rank: Mapped[int]
+    train_mlp: Mapped[bool]
+    train_attn: Mapped[bool]
+    train_unembed: Mapped[bool]
+    user_metadata: Mapped[dict[str, str]]
+    ttl_seconds: Mapped[int | None]
+    expires_at: Mapped[float | None] = mapped_column(index=True)
+    public: Mapped[bool] = mapped_column(default=False)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    project_id: Mapped[str] = mapped_column(String(200))
+
+
+class SamplerRow(Base):
+    __tablename__ = "samplers"
+    sampler_id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    seq: Mapped[int] = mapped_column(index=True)
+    session_id: Mapped[str] = mapped_column(String(200), index=True)
+    base_model: Mapped[str] = mapped_column(String(500))
+    model_path: Mapped[str] = mapped_column(String(600))
+    adapter_key: Mapped[str] = mapped_column(String(600))
+    created_at: Mapped[float]
+
+
+class BlobRow(Base):
+    """Every artifact in the object store that the log says is live: checkpoints, the snapshots
+    of unloaded runs, and the unnamed adapters behind samplers. Anything else under ``runs/`` is
+    an orphan (garbage collection)."""
+
+    __tablename__ = "blobs"
+    key: Mapped[str] = mapped_column(String(600), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(200), index=True)
+    role: Mapped[str] = mapped_column(String(20))  # checkpoint | snapshot | ephemeral
+    size_bytes: Mapped[int]
+    seq: Mapped[int]
+
+
+TABLES: tuple[type[Base], ...] = (Position, SessionRow, RunRow, CheckpointRow, SamplerRow, BlobRow)
+
+
+# -- opening -----------------------------------------------------------------------------------
+
+
+def create_engine(url: str) -> AsyncEngine:
+    """An async engine for a catalog URL; a SQLite file's directory is created when missing, and
+    an in-memory SQLite database lives as long as the engine."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":  # one connection, one database
+            return _create_engine(url, poolclass=StaticPool)
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        return _create_engine(url, connect_args={"timeout": 30})
+    return _create_engine(url, pool_pre_ping=True)
+
+
+async def open_catalog(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Create the tables when missing; drop and recreate them when they were built with another
+    schema (they are read models: the log rebuilds them)."""
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.create_all)
+    makers = async_sessionmaker(engine, expire_on_commit=False)
+    async with makers.begin() as session:
+        row = await session.get(Position, _LOG)
+        stale = row is not None and row.schema != SCHEMA
+    if stale:
+        log.warning("the catalog was built with another schema; rebuilding it from the log")
+        await drop(engine)
+        async with engine.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+    async with makers.begin() as session:
+        if await session.get(Position, _LOG) is None:
+            session.add(Position(name=_LOG, position=0, schema=SCHEMA))
+    return makers
+
+
+async def drop(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
+        await conn.run_sync(Base.metadata.drop_all)
+
+
+async def position(session: AsyncSession, *, for_update: bool = False) -> Position:
+    """The position row; ``for_update`` locks it (PostgreSQL), so two writers never fold the same
+    events."""
+    stmt = select(Position).where(Position.name == _LOG)
+    if for_update:
+        stmt = stmt.with_for_update()
+    row = (await session.execute(stmt)).scalar_one()
+    return row
+
+
+# -- folding -----------------------------------------------------------------------------------
+
+
+async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
+    """Fold one event into the tables. Returns the blob keys it stopped referencing (a checkpoint
+    overwritten under a new key), which the caller may remove from the store."""
+    kind = events.kind_of(event)
+    body = getattr(event, kind)
+    if kind == "session_created":
+        if await session.get(SessionRow, body.session_id) is None:
+            session.add(
+                SessionRow(
+                    session_id=body.session_id,
+                    seq=seq,
+                    created_at=event.time,
+                    owner=body.owner,
+                    project_id=body.project_id,
+                    display_name=body.display_name,
+                    sdk_version=body.sdk_version,
+                    tags=list(body.tags),
+                    user_metadata=dict(body.user_metadata),
+                )
+            )
+    elif kind == "session_finished":
+        finished = await session.get(SessionRow, body.session_id)
+        if finished is not None:
+            finished.finished, finished.finish_reason = True, body.reason
+    elif kind == "request_accepted":
+        await _accepted(session, seq, event)
+    elif kind == "run_created":
+        run = await session.get(RunRow, body.model_id)
+        if run is not None:
+            run.ready, run.tokenizer_id = True, body.tokenizer_id
+    elif kind == "weights_saved":
+        return await _saved(session, seq, event)
+    elif kind == "run_unloaded":
+        await _reference(session, body.snapshot_key, body.model_id, "snapshot", 0, seq)
+    elif kind == "sampler_created":
+        await _sampler(session, seq, event)
+    elif kind == "checkpoint_deleted":
+        row = await session.get(CheckpointRow, body.tinker_path)
+        if row is not None and row.blob_key == body.blob_key:
+            await session.delete(row)
+            blob = await session.get(BlobRow, body.blob_key)
+            if blob is not None:
+                await session.delete(blob)
+    elif kind == "checkpoint_published":
+        row = await session.get(CheckpointRow, body.tinker_path)
+        if row is not None:
+            row.public = body.public
+    elif kind == "checkpoint_ttl_set":
+        row = await session.get(CheckpointRow, body.tinker_path)
+        if row is not None:
+            row.ttl_seconds = body.ttl_seconds if body.HasField("ttl_seconds") else None
+            row.expires_at = body.expires_at if body.HasField("expires_at") else None
+    return []
+
+
+async def _accepted(session: AsyncSession, seq: int, event: bus.Event) -> None:
+    accepted = event.request_accepted
+    if accepted.WhichOneof("command") == "sample":
+        return
+    run = await session.get(RunRow, accepted.aggregate_id)
+    if run is not None:
+        run.last_request_time = max(run.last_request_time, event.time)
+        return
+    if not accepted.HasField("create_model"):
+        return
+    create = accepted.create_model
+    owner = await session.get(SessionRow, create.session_id)
+    session.add(
+        RunRow(
+            model_id=accepted.aggregate_id,
+            seq=seq,
+            session_id=create.session_id,
+            owner=owner.owner if owner else "",
+            project_id=owner.project_id if owner else "",
+            base_model=create.base_model,
+            lora_rank=create.lora.rank,
+            train_mlp=create.lora.train_mlp,
+            train_attn=create.lora.train_attn,
+            train_unembed=create.lora.train_unembed,
+            user_metadata=dict(create.user_metadata),
+            created_at=event.time,
+            last_request_time=event.time,
+            loaded_from=create.load_path,
+        )
+    )
+
+
+async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
+    saved = event.weights_saved
+    path = artifacts.parse(saved.tinker_path)
+    run = await session.get(RunRow, saved.model_id)
+    ttl = saved.ttl_seconds if saved.HasField("ttl_seconds") else None
+    released = []
+    row = await session.get(CheckpointRow, saved.tinker_path)
+    if row is not None:  # overwritten: the new save replaces the row, and its old blob goes
+        if row.blob_key != saved.blob_key:
+            released.append(row.blob_key)
+            old = await session.get(BlobRow, row.blob_key)
+            if old is not None:
+                await session.delete(old)
+        await session.delete(row)
+        await session.flush()
+    session.add(
+        CheckpointRow(
+            tinker_path=saved.tinker_path,
+            model_id=saved.model_id,
+            checkpoint_type=artifacts.CHECKPOINT_TYPES[path.kind],
+            checkpoint_id=path.checkpoint_id,
+            blob_key=saved.blob_key,
+            seq=seq,
+            created_at=event.time,
+            size_bytes=saved.size_bytes,
+            base_model=saved.base_model,
+            lora_rank=saved.lora_rank,
+            train_mlp=saved.lora.train_mlp if saved.HasField("lora") else True,
+            train_attn=saved.lora.train_attn if saved.HasField("lora") else True,
+            train_unembed=saved.lora.train_unembed if saved.HasField("lora") else True,
+            user_metadata=dict(saved.user_metadata),
+            ttl_seconds=ttl,
+            expires_at=event.time + ttl if ttl is not None else None,
+            owner=run.owner if run else "",
+            project_id=run.project_id if run else "",
+        )
+    )
+    await _reference(session, saved.blob_key, saved.model_id, "checkpoint", saved.size_bytes, seq)
+    return released
+
+
+async def _sampler(session: AsyncSession, seq: int, event: bus.Event) -> None:
+    created = event.sampler_created
+    if await session.get(SamplerRow, created.sampler_id) is not None:
+        return
+    session.add(
+        SamplerRow(
+            sampler_id=created.sampler_id,
+            seq=seq,
+            session_id=created.session_id,
+            base_model=created.base_model,
+            model_path=created.model_path,
+            adapter_key=created.adapter_key,
+            created_at=event.time,
+        )
+    )
+    if created.adapter_key and not created.model_path:  # the unnamed snapshot behind it
+        model_id = created.adapter_key.split("/")[1]
+        await _reference(session, created.adapter_key, model_id, "ephemeral", 0, seq)
+
+
+async def _reference(
+    session: AsyncSession, key: str, model_id: str, role: str, size_bytes: int, seq: int
+) -> None:
+    row = await session.get(BlobRow, key)
+    if row is None:
+        session.add(BlobRow(key=key, model_id=model_id, role=role, size_bytes=size_bytes, seq=seq))
+    else:
+        row.size_bytes, row.seq = size_bytes, seq
+
+
+# -- queries -----------------------------------------------------------------------------------
+
+
+def visible_to(owner: str, column: Any) -> ColumnElement[bool]:
+    """Rows owned by ``owner``; rows from before owners were recorded belong to everyone."""
+    return or_(column == owner, column == "")
+
+
+async def runs(
+    session: AsyncSession,
+    *,
+    owner: str,
+    accessible: bool,
+    project_id: str,
+    limit: int,
+    offset: int,
+) -> tuple[Sequence[RunRow], int]:
+    """Training runs, newest first, and how many there are in all."""
+    condition = visible_to(owner, RunRow.owner)
+    if accessible:
+        published = select(CheckpointRow.model_id).where(CheckpointRow.public.is_(True))
+        condition = or_(condition, RunRow.model_id.in_(published))
+    if project_id:
+        condition = and_(condition, RunRow.project_id == project_id)
+    total = await session.scalar(select(func.count()).select_from(RunRow).where(condition))
+    rows = await session.scalars(
+        select(RunRow).where(condition).order_by(RunRow.seq.desc()).limit(limit).offset(offset)
+    )
+    return rows.all(), int(total or 0)
+
+
+async def has_public_checkpoint(session: AsyncSession, model_id: str) -> bool:
+    found = await session.scalar(
+        select(func.count())
+        .select_from(CheckpointRow)
+        .where(CheckpointRow.model_id == model_id, CheckpointRow.public.is_(True))
+    )
+    return bool(found)
+
+
+async def checkpoints_of(session: AsyncSession, model_id: str) -> Sequence[CheckpointRow]:
+    """A run's checkpoints, newest first."""
+    rows = await session.scalars(
+        select(CheckpointRow)
+        .where(CheckpointRow.model_id == model_id)
+        .order_by(CheckpointRow.seq.desc())
+    )
+    return rows.all()
+
+
+async def latest_checkpoint(
+    session: AsyncSession, model_id: str, checkpoint_type: str
+) -> CheckpointRow | None:
+    row = await session.scalar(
+        select(CheckpointRow)
+        .where(CheckpointRow.model_id == model_id, CheckpointRow.checkpoint_type == checkpoint_type)
+        .order_by(CheckpointRow.seq.desc())
+        .limit(1)
+    )
+    return row
+
+
+async def user_checkpoints(
+    session: AsyncSession, *, owner: str, limit: int, offset: int
+) -> tuple[Sequence[CheckpointRow], int]:
+    """Every checkpoint of the user's runs, newest first, and how many there are in all."""
+    condition = visible_to(owner, CheckpointRow.owner)
+    total = await session.scalar(select(func.count()).select_from(CheckpointRow).where(condition))
+    rows = await session.scalars(
+        select(CheckpointRow)
+        .where(condition)
+        .order_by(CheckpointRow.seq.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return rows.all(), int(total or 0)
+
+
+async def sessions(
+    session: AsyncSession, *, owner: str, limit: int, offset: int
+) -> Sequence[SessionRow]:
+    """The user's sessions, newest first."""
+    rows = await session.scalars(
+        select(SessionRow)
+        .where(visible_to(owner, SessionRow.owner))
+        .order_by(SessionRow.seq.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return rows.all()
+
+
+async def session_members(session: AsyncSession, session_id: str) -> tuple[list[str], list[str]]:
+    """The ids of a session's training runs and samplers, in the order they were made."""
+    run_ids = await session.scalars(
+        select(RunRow.model_id).where(RunRow.session_id == session_id).order_by(RunRow.seq)
+    )
+    sampler_ids = await session.scalars(
+        select(SamplerRow.sampler_id)
+        .where(SamplerRow.session_id == session_id)
+        .order_by(SamplerRow.seq)
+    )
+    return list(run_ids.all()), list(sampler_ids.all())
+
+
+async def expired(session: AsyncSession, now: float) -> Sequence[CheckpointRow]:
+    rows = await session.scalars(
+        select(CheckpointRow)
+        .where(CheckpointRow.expires_at.is_not(None), CheckpointRow.expires_at <= now)
+        .order_by(CheckpointRow.expires_at)
+    )
+    return rows.all()
+
+
+async def next_expiry(session: AsyncSession) -> float | None:
+    value = await session.scalar(select(func.min(CheckpointRow.expires_at)))
+    return float(value) if value is not None else None
+
+
+async def storage_usage(session: AsyncSession, project_id: str) -> list[tuple[str, str, int, int]]:
+    """``(owner, project_id, checkpoint count, bytes)`` of the live checkpoints, per owner and
+    project."""
+    stmt = select(
+        CheckpointRow.owner,
+        CheckpointRow.project_id,
+        func.count(),
+        func.coalesce(func.sum(CheckpointRow.size_bytes), 0),
+    ).group_by(CheckpointRow.owner, CheckpointRow.project_id)
+    if project_id:
+        stmt = stmt.where(CheckpointRow.project_id == project_id)
+    rows = await session.execute(stmt.order_by(CheckpointRow.owner, CheckpointRow.project_id))
+    return [(str(o), str(p), int(n), int(b)) for o, p, n, b in rows.all()]
+
+
+async def referenced_keys(session: AsyncSession) -> set[str]:
+    return set((await session.scalars(select(BlobRow.key))).all())
+
+
+async def dump(session: AsyncSession) -> dict[str, list[dict[str, Any]]]:
+    """Every row of every table, in a stable order: two catalogs folded from the same log dump
+    equal."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for table in TABLES:
+        columns = [c.key for c in table.__table__.columns]
+        rows = (await session.scalars(select(table))).all()
+        out[table.__tablename__] = sorted(
+            ({c: getattr(row, c) for c in columns} for row in rows),
+            key=lambda r: repr(sorted(r.items())),
+        )
+    return out
