@@ -1,7 +1,8 @@
 """Regenerate tinsmith/_proto/ from the .proto files in proto/ (run by `make proto`).
 
-protoc writes modules under the proto package path (tinsmith/v1/...); they are committed flat in
-tinsmith/_proto/ with their imports rewritten to match. tests/test_proto.py runs `generate` into a
+protoc writes modules (and gRPC stubs, ``*_pb2_grpc.py``, for the files that define services)
+under the proto package path (tinsmith/v1/...); they are committed flat in tinsmith/_proto/ with
+their imports rewritten to match. tests/test_proto.py runs `generate` into a
 temporary directory and fails when the committed code differs.
 """
 
@@ -26,12 +27,21 @@ def generate(out_dir: Path) -> list[Path]:
         str(p.relative_to(PROTO_DIR)) for p in (PROTO_DIR / "tinsmith/v1").glob("*.proto")
     )
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{PROTO_DIR}", f"--python_out={tmp}", f"--pyi_out={tmp}", *sources]
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *sources,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {sources}")
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
         for path in sorted((Path(tmp) / "tinsmith" / "v1").iterdir()):
+            if path.name.endswith("_pb2_grpc.py") and "Servicer" not in path.read_text():
+                continue  # a file that defines no service gets no gRPC module
             text = re.sub(
                 r"from tinsmith\.v1 import", "from tinsmith._proto import", path.read_text()
             )

@@ -49,10 +49,13 @@ def _wait_port(port: int, timeout: float = 10.0) -> None:
 
 
 class RunningSystem:
-    def __init__(self, process: subprocess.Popen[str], url: str, data_dir: Path) -> None:
+    def __init__(
+        self, process: subprocess.Popen[str], url: str, data_dir: Path, grpc_target: str = ""
+    ) -> None:
         self.process = process
         self.url = url
         self.data_dir = data_dir
+        self.grpc_target = grpc_target  # host:port of the gateway's gRPC API
 
     def logs(self) -> str:
         return "\n".join(
@@ -79,6 +82,7 @@ def start_system(
     assert process.stdout is not None
     deadline = time.monotonic() + timeout
     seen = []
+    grpc_target = ""
     while time.monotonic() < deadline:
         ready, _, _ = select.select([process.stdout], [], [], 1.0)
         if ready:
@@ -86,8 +90,10 @@ def start_system(
             if not line:
                 break
             seen.append(line)
+            if line.startswith("tinsmith gRPC at "):
+                grpc_target = line.split()[-1]
             if line.startswith("tinsmith ready at "):
-                return RunningSystem(process, line.split()[-1], data_dir)
+                return RunningSystem(process, line.split()[-1], data_dir, grpc_target)
     process.kill()
     raise RuntimeError(f"tinsmith up did not become ready: {''.join(seen)}")
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tinsmith import models
-from tinsmith.embedded import SERVICES, System, default_data_dir
+from tinsmith.embedded import SERVICES, System, default_data_dir, free_port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     up = commands.add_parser("up", help="run the whole system on this machine")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
+    up.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="the gRPC API; default: 8001 with the default --port, else a free port (printed)",
+    )
     up.add_argument("--data-dir", type=Path, default=None, help=f"default: {default_data_dir()}")
 
     serve = commands.add_parser("serve", help="run one service against TINSMITH_NATS_URL")
@@ -34,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     if args.command == "up":
-        return _up(args.host, args.port, args.data_dir or default_data_dir())
+        grpc_port = args.grpc_port
+        if grpc_port is None:
+            grpc_port = 8001 if args.port == 8000 else 0
+        return _up(args.host, args.port, grpc_port, args.data_dir or default_data_dir())
     if args.command == "serve":
         sys.argv = [f"services.{args.service}"]
         runpy.run_module(f"services.{args.service}", run_name="__main__")
@@ -49,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _up(host: str, port: int, data_dir: Path) -> int:
-    system = System(host=host, port=port, data_dir=data_dir.expanduser().resolve())
+def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
+    system = System(
+        host=host,
+        port=port,
+        data_dir=data_dir.expanduser().resolve(),
+        grpc_port=grpc_port or free_port(host),
+    )
+    # Before starting (the ready line stays the last line, whose last word is the HTTP URL).
+    print(f"tinsmith gRPC at {system.grpc_target}", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C while starting
     try:
         asyncio.run(system.start())

@@ -67,10 +67,16 @@ class System:
     data_dir: Path
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     nats_url: str = ""
+    # The gateway's gRPC port; 0: a free one, picked at start.
+    grpc_port: int = 0
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def log_dir(self) -> Path:
@@ -79,6 +85,7 @@ class System:
     async def start(self, timeout_s: float = 300.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         await self._start_nats()
+        self.grpc_port = self.grpc_port or free_port(self.host)
         env = {
             **os.environ,
             "TINSMITH_NATS_URL": self.nats_url,
@@ -90,6 +97,7 @@ class System:
             ),
             "TINSMITH_HOST": self.host,
             "TINSMITH_PORT": str(self.port),
+            "TINSMITH_GRPC_PORT": str(self.grpc_port),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
         }

@@ -162,8 +162,9 @@ class FollowedProjection:
                 return False
         return True
 
-    async def wait_until(self, predicate: object, timeout: float) -> bool:
-        """Wait until ``predicate()`` holds after some event, or ``timeout`` seconds pass."""
+    async def wait_until(self, predicate: object, timeout: float | None) -> bool:
+        """Wait until ``predicate()`` holds after some event, or ``timeout`` seconds pass
+        (``None``: no bound)."""
         assert callable(predicate)
         async with self._changed:
             try:

@@ -1,7 +1,8 @@
-"""`python -m services.gateway`: the HTTP gateway (wiring only).
+"""`python -m services.gateway`: the HTTP and gRPC gateway (wiring only).
 
-Speaks the Tinker API on TINSMITH_HOST:TINSMITH_PORT: turns each call into an event on NATS and
-answers the SDK's future polls from its projection of the log. Stateless: run any number.
+Speaks the Tinker API on TINSMITH_HOST:TINSMITH_PORT, and the same operations over gRPC on
+TINSMITH_HOST:TINSMITH_GRPC_PORT (proto/tinsmith/v1/service.proto): turns each call into an
+event on NATS and answers from its projection of the log. Stateless: run any number.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog
 
+from . import grpc_face
 from .config import GatewayConfig
 from .handlers import Gateway
 from .http import build_app
@@ -29,7 +31,13 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     runner = web.AppRunner(build_app(gateway, rest), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, config.host, config.port).start()
-    return runner.cleanup
+    stop_grpc = await grpc_face.serve(gateway, rest, config)
+
+    async def stop() -> None:
+        await stop_grpc()
+        await runner.cleanup()
+
+    return stop
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ class GatewayConfig:
     # The object store, only to serve the signed download URLs of stores that cannot presign
     # their own (file://); empty: no downloads through the gateway.
     blob_url: str = ""
+    # The gRPC face (grpc_face.py): its port, and the largest message it takes or sends. A
+    # request becomes one NATS message (8 MiB at most, with its envelope), hence 7 MiB.
+    grpc_port: int = 8001
+    grpc_max_message_bytes: int = 7 * 1024 * 1024
 
     @classmethod
     def from_env(cls) -> GatewayConfig:
@@ -32,4 +36,5 @@ class GatewayConfig:
                 os.environ.get("TINSMITH_SAMPLER_QUEUE_LIMIT", cls.sampler_queue_limit)
             ),
             blob_url=os.environ.get("TINSMITH_BLOB_URL", ""),
+            grpc_port=int(os.environ.get("TINSMITH_GRPC_PORT", cls.grpc_port)),
         )

@@ -409,6 +409,27 @@ class Gateway:
     async def retrieve_future(self, body: JsonDict) -> tuple[bytes | JsonDict, str]:
         """Long-poll one future: its result as ``(body, media type)``, a failure, or try_again."""
         request_id = wire.req_str(body, "request_id")
+        request = await self._settled(request_id, self.config.long_poll_s)
+        if request.status is jobs.Status.PENDING:
+            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}, ""
+        if request.status is jobs.Status.FAILED:
+            return future_failure(request.error_kind, request.error_detail), ""
+        result, media_type = await self.log.get_result(request.result_seq)
+        return result, media_type
+
+    async def result(self, request_id: str, timeout_s: float | None) -> tuple[bytes, str]:
+        """Wait for one future (the gRPC face): its result as ``(body, media type)``; a failed
+        request raises its error, and one still pending after ``timeout_s`` raises
+        ``TimeoutError`` (it stays queued: asking again later gets its result)."""
+        request = await self._settled(request_id, timeout_s)
+        if request.status is jobs.Status.PENDING:
+            raise TimeoutError(f"request {request_id} is still pending")
+        if request.status is jobs.Status.FAILED:
+            raise from_kind(request.error_kind, request.error_detail)
+        return await self.log.get_result(request.result_seq)
+
+    async def _settled(self, request_id: str, timeout_s: float | None) -> jobs.RequestState:
+        """The request once it has settled, or as it stands after ``timeout_s``."""
         if request_id not in self.state.requests:
             # It may have been accepted by another replica a moment ago.
             await self.projection.catch_up()
@@ -419,14 +440,8 @@ class Gateway:
             return self.state.requests[request_id].status is not jobs.Status.PENDING
 
         if not settled():
-            await self.projection.wait_until(settled, self.config.long_poll_s)
-        request = self.state.requests[request_id]
-        if request.status is jobs.Status.PENDING:
-            return {"type": "try_again", "request_id": request_id, "queue_state": "active"}, ""
-        if request.status is jobs.Status.FAILED:
-            return future_failure(request.error_kind, request.error_detail), ""
-        result, media_type = await self.log.get_result(request.result_seq)
-        return result, media_type
+            await self.projection.wait_until(settled, timeout_s)
+        return self.state.requests[request_id]
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -29,7 +29,10 @@ _CHECKPOINT = API + "/training_runs/{run}/checkpoints/{segment}/{name}"
 
 def owner_of(request: web.Request) -> str:
     """Who is calling: a digest of the API key, so that the catalog never stores a key."""
-    key = request.headers.get("X-API-Key", "")
+    return owner_of_key(request.headers.get("X-API-Key", ""))
+
+
+def owner_of_key(key: str) -> str:
     if not key:
         return ""
     return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -57,15 +60,21 @@ class Rest:
         get(API + "/billing/usage/checkpoints/current", self.storage_usage)
         get(API + "/blobs/{path:.+}", self.download)
 
-    async def _ask(self, op: str, request: web.Request, **fields: Any) -> web.Response:
-        """Relay one operation to the catalog; its JSON is the answer, its error the status."""
-        query = bus.CatalogQuery(owner=owner_of(request), **fields)
+    async def ask(self, op: str, owner: str, **fields: Any) -> bytes:
+        """Relay one operation to the catalog (for HTTP and gRPC alike): its JSON, or its error
+        raised."""
+        query = bus.CatalogQuery(owner=owner, **fields)
         reply = bus.CatalogReply.FromString(
             await self.bus.request(subjects.catalog_subject(op), query.SerializeToString())
         )
         if reply.error_kind:
             raise from_kind(reply.error_kind, reply.error_detail)
-        return web.Response(body=reply.json, content_type="application/json")
+        return reply.json
+
+    async def _ask(self, op: str, request: web.Request, **fields: Any) -> web.Response:
+        """Relay one operation to the catalog; its JSON is the answer, its error the status."""
+        body = await self.ask(op, owner_of(request), **fields)
+        return web.Response(body=body, content_type="application/json")
 
     # -- training runs and checkpoints ---------------------------------------------------------
 

@@ -1,0 +1,270 @@
+"""The gRPC face, driven by a client generated from proto/tinsmith/v1/service.proto: a full SFT
+step and a sample, the same numbers as the tinker SDK gets over HTTP on the same weights,
+reflection, health, the catalog, and the error tree's status codes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import tinker
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tinker import types
+
+from tests.conftest import RunningSystem
+from tinsmith._proto import service_pb2 as svc
+from tinsmith._proto import service_pb2_grpc as stubs
+from tinsmith._proto import tinker_public_pb2 as tp
+
+TOKENS = [5, 17, 99, 3, 250, 42, 7, 64, 128, 11]
+PROMPT = [5, 17, 99, 3]
+
+
+def _datum(tokens: list[int]) -> tp.Datum:
+    inputs, targets = tokens[:-1], tokens[1:]
+    return tp.Datum(
+        model_input=[
+            tp.Chunk(encoded_text=tp.EncodedTextChunk(tokens=np.asarray(inputs, "<i4").tobytes()))
+        ],
+        loss_fn_inputs={
+            "target_tokens": tp.Tensor(
+                dense=np.asarray(targets, "<i8").tobytes(),
+                dtype=tp.DTYPE_INT64,
+                shape=[len(targets)],
+            ),
+            "weights": tp.Tensor(
+                dense=np.ones(len(targets), "<f4").tobytes(),
+                dtype=tp.DTYPE_FLOAT32,
+                shape=[len(targets)],
+            ),
+        },
+    )
+
+
+def _logprobs(output: tp.ForwardBackwardOutput) -> np.ndarray:
+    (record,) = output.loss_fn_outputs
+    field = record.fields["logprobs"]
+    assert field.dtype == tp.DTYPE_FLOAT32
+    return np.frombuffer(field.data, "<f4")
+
+
+@pytest.fixture(scope="module")
+def channel(system: RunningSystem) -> Iterator[grpc.Channel]:
+    assert system.grpc_target, "tinsmith up printed no gRPC address"
+    with grpc.insecure_channel(system.grpc_target) as chan:
+        grpc.channel_ready_future(chan).result(timeout=30)
+        yield chan
+
+
+@pytest.fixture(scope="module")
+def trained(channel: grpc.Channel) -> dict[str, object]:
+    """One SFT step over gRPC, then a training checkpoint and a sampler checkpoint."""
+    training = stubs.TrainingStub(channel)
+    session = training.CreateSession(svc.CreateSessionRequest(tags=["grpc"]), timeout=60)
+    model = training.CreateModel(
+        svc.CreateModelRequest(
+            session_id=session.session_id,
+            model_seq_id=0,
+            base_model="tinsmith/tiny",
+            lora_rank=8,
+            seed=1,
+        ),
+        timeout=120,
+    )
+    model_id = model.model_id
+    request = tp.ForwardBackwardRequest(
+        model_id=model_id, seq_id=1, data=[_datum(TOKENS)], loss_fn="cross_entropy"
+    )
+    fb = training.ForwardBackward(request, timeout=120)
+    assert fb.metrics["loss:sum"] > 0
+    step = training.OptimStep(
+        svc.OptimStepRequest(
+            model_id=model_id, seq_id=2, adam_params=svc.OptimizerParams(learning_rate=5e-3)
+        ),
+        timeout=120,
+    )
+    assert step.metrics["grad_norm:mean"] > 0
+    state = training.SaveState(
+        svc.SaveRequest(model_id=model_id, seq_id=3, path="grpc-step1"), timeout=120
+    )
+    sampler = training.SaveForSampler(
+        svc.SaveRequest(model_id=model_id, seq_id=4, path="grpc-step1"), timeout=120
+    )
+    forward = training.Forward(
+        tp.ForwardBackwardRequest(
+            model_id=model_id, seq_id=5, data=[_datum(TOKENS)], loss_fn="cross_entropy"
+        ),
+        timeout=120,
+    )
+    return {
+        "session_id": session.session_id,
+        "model_id": model_id,
+        "state_path": state.path,
+        "sampler_path": sampler.path,
+        "forward": forward,
+        "first_loss": fb.metrics["loss:sum"],
+    }
+
+
+@pytest.fixture(scope="module")
+def service(system: RunningSystem) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=system.url, api_key="tml-e2e")
+    yield client
+    client.close("success").result(timeout=30)
+
+
+def test_an_sft_step_over_grpc_lowers_the_loss(trained: dict[str, object]) -> None:
+    forward = trained["forward"]
+    assert isinstance(forward, tp.ForwardBackwardOutput)
+    assert forward.metrics["loss:sum"] < trained["first_loss"]
+    assert trained["state_path"] == f"tinker://{trained['model_id']}/weights/grpc-step1"
+    assert trained["sampler_path"] == f"tinker://{trained['model_id']}/sampler_weights/grpc-step1"
+
+
+def test_forward_over_grpc_matches_the_sdk_on_the_same_weights(
+    trained: dict[str, object], service: tinker.ServiceClient
+) -> None:
+    forward = trained["forward"]
+    assert isinstance(forward, tp.ForwardBackwardOutput)
+    client = service.create_training_client_from_state(str(trained["state_path"]))
+    client = client.result() if hasattr(client, "result") else client
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * (len(TOKENS) - 1)},
+    )
+    sdk = client.forward([datum], "cross_entropy").result()
+    np.testing.assert_allclose(
+        _logprobs(forward), sdk.loss_fn_outputs[0]["logprobs"].to_numpy(), rtol=1e-5, atol=1e-6
+    )
+    assert forward.metrics["loss:sum"] == pytest.approx(sdk.metrics["loss:sum"], rel=1e-5)
+
+
+def test_a_seeded_sample_over_grpc_matches_the_sdk(
+    channel: grpc.Channel, trained: dict[str, object], service: tinker.ServiceClient
+) -> None:
+    sampling = stubs.SamplingStub(channel)
+    path = str(trained["sampler_path"])
+    sampler = sampling.CreateSamplingSession(
+        svc.CreateSamplingSessionRequest(
+            session_id=str(trained["session_id"]), sampling_session_seq_id=0, model_path=path
+        ),
+        timeout=60,
+    )
+    response = sampling.Sample(
+        svc.SampleRequest(
+            sampling_session_id=sampler.sampling_session_id,
+            seq_id=0,
+            prompt=PROMPT,
+            sampling_params=tp.SamplingParams(max_tokens=8, seed=7, temperature=1.0),
+            num_samples=2,
+            prompt_logprobs=True,
+        ),
+        timeout=120,
+    )
+    ours = [np.frombuffer(s.tokens, "<i4").tolist() for s in response.sequences]
+    assert len(ours) == 2 and all(len(tokens) == 8 for tokens in ours)
+    sdk_sampler = service.create_sampling_client(model_path=path)
+    if hasattr(sdk_sampler, "result"):
+        sdk_sampler = sdk_sampler.result()
+    sdk = sdk_sampler.sample(
+        types.ModelInput.from_ints(PROMPT),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=8, seed=7, temperature=1.0),
+        include_prompt_logprobs=True,
+    ).result()
+    assert ours == [list(s.tokens) for s in sdk.sequences]
+    prompt_logprobs = np.frombuffer(response.prompt_logprobs, "<f4")
+    assert sdk.prompt_logprobs is not None
+    np.testing.assert_allclose(prompt_logprobs[1:], sdk.prompt_logprobs[1:], rtol=1e-5)
+
+
+def test_reflection_lists_the_services(channel: grpc.Channel) -> None:
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30
+    )
+    names = {s.name for s in answer.list_services_response.service}
+    assert {
+        "tinsmith.v1.Training",
+        "tinsmith.v1.Sampling",
+        "tinsmith.v1.Catalog",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names
+
+
+def test_the_health_service_says_serving(channel: grpc.Channel) -> None:
+    checks = health_pb2_grpc.HealthStub(channel)
+    for name in ("", "tinsmith.v1.Training"):
+        answer = checks.Check(health_pb2.HealthCheckRequest(service=name), timeout=30)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_catalog_over_grpc(channel: grpc.Channel, trained: dict[str, object]) -> None:
+    catalog = stubs.CatalogStub(channel)
+    checkpoints = json.loads(
+        catalog.ListCheckpoints(
+            svc.ListCheckpointsRequest(training_run_id=str(trained["model_id"])), timeout=30
+        ).json
+    )
+    paths = {c["tinker_path"] for c in checkpoints["checkpoints"]}
+    assert {trained["state_path"], trained["sampler_path"]} <= paths
+    session = json.loads(
+        catalog.GetSession(
+            svc.GetSessionRequest(session_id=str(trained["session_id"])), timeout=30
+        ).json
+    )
+    assert trained["model_id"] in session["training_run_ids"]
+    runs = json.loads(catalog.ListTrainingRuns(svc.ListTrainingRunsRequest(), timeout=30).json)
+    assert "training_runs" in runs
+
+
+def test_errors_carry_the_status_code_and_detail_of_the_error_tree(
+    channel: grpc.Channel, trained: dict[str, object]
+) -> None:
+    training, sampling = stubs.TrainingStub(channel), stubs.SamplingStub(channel)
+    with pytest.raises(grpc.RpcError) as missing:
+        training.OptimStep(svc.OptimStepRequest(model_id="nope:train:0", seq_id=1), timeout=30)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no training run with model_id 'nope:train:0'" in missing.value.details()
+
+    with pytest.raises(grpc.RpcError) as bad:
+        sampling.CreateSamplingSession(
+            svc.CreateSamplingSessionRequest(
+                session_id=str(trained["session_id"]), sampling_session_seq_id=99
+            ),
+            timeout=30,
+        )
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "needs base_model or model_path" in bad.value.details()
+
+    sampler = sampling.CreateSamplingSession(
+        svc.CreateSamplingSessionRequest(
+            session_id=str(trained["session_id"]),
+            sampling_session_seq_id=1,
+            base_model="tinsmith/tiny",
+        ),
+        timeout=30,
+    )
+    with pytest.raises(grpc.RpcError) as vocab:
+        sampling.Sample(
+            svc.SampleRequest(
+                sampling_session_id=sampler.sampling_session_id, seq_id=0, prompt=[1, 10**6]
+            ),
+            timeout=30,
+        )
+    assert vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in vocab.value.details()
+
+
+def test_an_oversized_message_is_refused_with_a_clear_error(channel: grpc.Channel) -> None:
+    training = stubs.TrainingStub(channel)
+    huge = svc.CreateSessionRequest(user_metadata={"blob": "x" * (8 * 1024 * 1024)})
+    with pytest.raises(grpc.RpcError) as refused:
+        training.CreateSession(huge, timeout=30)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in refused.value.details()
