@@ -175,9 +175,7 @@ def test_the_trainer_and_the_sampler_are_ready_once_their_base_models_are_loaded
     try:
         for _, port in started.values():
             _eventually(port, "/readyz", lambda status, _: status == 200)
-    finally:
-        for process, _ in started.values():
-            process.send_signal(signal.SIGTERM)
+    finally:  # one SIGTERM each (a second one could land after the service's own handler is gone)
         logs = {service: _stop(process) for service, (process, _) in started.items()}
     for service, out in logs.items():
         assert out.index("base model tinsmith/tiny loaded") < out.index(f"{service} ready")
