@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -52,12 +53,29 @@ def _logprobs(output: tp.ForwardBackwardOutput) -> np.ndarray:
     return np.frombuffer(field.data, "<f4")
 
 
+# The caller, as gRPC metadata (the HTTP face's X-API-Key header); the SDK side uses it too, so
+# both faces act for the same user, and what this module creates is nobody else's.
+API_KEY = "tml-grpc-e2e"
+
+
+class _WithApiKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    def _with_key(self, details: Any) -> Any:
+        metadata = [*(details.metadata or ()), ("x-api-key", API_KEY)]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_key(details), request)
+
+
 @pytest.fixture(scope="module")
 def channel(system: RunningSystem) -> Iterator[grpc.Channel]:
     assert system.grpc_target, "tinsmith up printed no gRPC address"
     with grpc.insecure_channel(system.grpc_target) as chan:
         grpc.channel_ready_future(chan).result(timeout=30)
-        yield chan
+        yield grpc.intercept_channel(chan, _WithApiKey())
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +130,7 @@ def trained(channel: grpc.Channel) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def service(system: RunningSystem) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=system.url, api_key="tml-e2e")
+    client = tinker.ServiceClient(base_url=system.url, api_key=API_KEY)
     yield client
     client.close("success").result(timeout=30)
 
