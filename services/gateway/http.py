@@ -7,7 +7,6 @@ Does not own: what the operations do (handlers.py).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,7 +16,7 @@ from aiohttp import web
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 
 from .handlers import Gateway
-from .rest import Rest, owner_of
+from .rest import Rest, owner_of, read_json
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +45,12 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
 
 
-async def _json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw:
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidRequest("the body must be a JSON object")
-    return body
-
-
 def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
 
     def post(path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any]) -> None:
         async def route(request: web.Request) -> web.StreamResponse:
-            result = fn(await _json(request))
+            result = fn(await read_json(request))
             if isinstance(result, Awaitable):
                 result = await result
             return web.json_response(result)
@@ -86,11 +72,11 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     post("/asample", gateway.asample)
 
     async def create_session(request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = await read_json(request)
         return web.json_response(await gateway.create_session(body, owner=owner_of(request)))
 
     async def finish(request: web.Request) -> web.StreamResponse:
-        body = await _json(request)
+        body = await read_json(request)
         return web.json_response(await gateway.finish_session(request.match_info["id"], body))
 
     async def forward_backward(request: web.Request) -> web.StreamResponse:
@@ -99,7 +85,7 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
         return web.json_response(await gateway.forward_backward(await request.read()))
 
     async def retrieve_future(request: web.Request) -> web.StreamResponse:
-        result, media_type = await gateway.retrieve_future(await _json(request))
+        result, media_type = await gateway.retrieve_future(await read_json(request))
         if isinstance(result, bytes):
             return web.Response(body=result, content_type=media_type)
         # A future still pending after the long poll: 408 makes the SDK re-poll at once, like a

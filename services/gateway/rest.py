@@ -126,7 +126,7 @@ class Rest:
         )
 
     async def set_ttl(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await read_json(request)
         ttl = body.get("ttl_seconds")
         if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
             raise InvalidRequest(f"ttl_seconds must be an integer or null, got {ttl!r}")
@@ -143,7 +143,7 @@ class Rest:
         )
 
     async def weights_info(self, request: web.Request) -> web.Response:
-        body = await _json(request)
+        body = await read_json(request)
         path = body.get("tinker_path")
         if not isinstance(path, str):
             raise InvalidRequest("weights_info needs 'tinker_path', a tinker:// checkpoint path")
@@ -209,7 +209,8 @@ def _int(request: web.Request, name: str, default: int) -> int:
         raise InvalidRequest(f"{name} must be an integer, got {raw!r}") from None
 
 
-async def _json(request: web.Request) -> dict[str, Any]:
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """A request's JSON object body ({} when empty), or a 400 that says what is wrong."""
     raw = await request.read()
     if not raw:
         return {}
