@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 # What the SDK reads as "no entry" in a top-k matrix (tinker.types.topk_logprobs).
 TOPK_EMPTY_TOKEN = 0
 TOPK_EMPTY_LOGPROB = -99999.0
+
+
+# The adapter cache's bound when TINSMITH_ADAPTER_CACHE_MB does not set one.
+DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
 
 
 class AdapterMissing(NotFound):
@@ -131,6 +135,29 @@ def check_command(command: bus.Sample, vocab_size: int) -> None:
     for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if not 0 <= getattr(command, field) <= MAX_TOPK_LOGPROBS:
             raise InvalidRequest(f"{field} must be between 0 and {MAX_TOPK_LOGPROBS}")
+
+
+def eos_ids_of(config: Mapping[str, object]) -> frozenset[int]:
+    """The end-of-sequence token ids a model's ``config.json`` names (one id, a list, or none)."""
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        return frozenset(int(e) for e in eos)
+    return frozenset() if eos is None else frozenset([int(eos)])  # type: ignore[call-overload]
+
+
+def lru_evictions(sizes: Mapping[str, int], bound: int, keep: Collection[str]) -> list[str]:
+    """The adapters to drop, least recently used first (``sizes`` is in use order), until the
+    rest fit in ``bound`` bytes; never one in ``keep`` (queued or running requests use it), so
+    the cache may stay over its bound for a while."""
+    total = sum(sizes.values())
+    evict = []
+    for key, size in sizes.items():
+        if total <= bound:
+            break
+        if key not in keep:
+            evict.append(key)
+            total -= size
+    return evict
 
 
 def stop_rule(

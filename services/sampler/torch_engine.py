@@ -43,10 +43,13 @@ from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 
 from .engine import (
+    DEFAULT_ADAPTER_CACHE_BYTES,
     AdapterMissing,
     alt_tokens_message,
     check_command,
     empty_topk,
+    eos_ids_of,
+    lru_evictions,
     prompt_window,
     stop_rule,
     target_cells,
@@ -58,7 +61,6 @@ log = logging.getLogger(__name__)
 
 # PEFT's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
-DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
 # Sequences decoded together at most; requests beyond it wait for rows to finish.
 DEFAULT_MAX_ROWS = 256
 # The generator stream of a request's prompt_alt_tokens draws (sequence i uses stream i).
@@ -153,8 +155,7 @@ class TorchEngine:
             model.requires_grad_(False)
             model.eval()  # type: ignore[no-untyped-call]
             config = json.loads((directory / "config.json").read_text())
-            eos = config.get("eos_token_id")
-            eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            eos_ids = eos_ids_of(config)
             tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
             embeddings = model.get_input_embeddings()
             assert isinstance(embeddings, torch.nn.Embedding)
@@ -192,23 +193,15 @@ class TorchEngine:
         self._evict(base, keep=key)
 
     def _evict(self, base: _Base, keep: str) -> None:
-        """Drop least recently used adapters until the cache fits its bound, never one that a
-        queued or running request uses (the cache may then stay over its bound for a while)."""
-        in_use = {r.adapter for r in self._requests.values() if r.base is base}
-        total = sum(a.nbytes for a in base.adapters.values())
-        for key in list(base.adapters):
-            if total <= self.adapter_cache_bytes:
-                break
-            adapter = base.adapters[key]
-            if key == keep or adapter.name in in_use:
-                continue
+        """Keep the cache within its bound (``lru_evictions``)."""
+        names = {r.adapter for r in self._requests.values() if r.base is base}
+        in_use = {key for key, a in base.adapters.items() if a.name in names} | {keep}
+        sizes = {key: a.nbytes for key, a in base.adapters.items()}
+        for key in lru_evictions(sizes, self.adapter_cache_bytes, in_use):
+            adapter = base.adapters.pop(key)
             assert isinstance(base.model, PeftModel)
             base.model.delete_adapter(adapter.name)
-            del base.adapters[key]
-            total -= adapter.nbytes
-            log.info(
-                "evicted adapter %s (%d bytes) from the cache of %s", key, adapter.nbytes, base.name
-            )
+            log.info("evicted adapter %s (%d bytes) from %s", key, adapter.nbytes, base.name)
 
     # -- requests ------------------------------------------------------------------------------
 

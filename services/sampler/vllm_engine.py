@@ -59,9 +59,12 @@ from tinsmith.failures import InternalError, InvalidRequest
 from tinsmith.limits import MAX_TOPK_LOGPROBS
 
 from .engine import (
+    DEFAULT_ADAPTER_CACHE_BYTES,
     AdapterMissing,
     check_command,
     empty_topk,
+    eos_ids_of,
+    lru_evictions,
     prompt_window,
     stop_rule,
     target_cells,
@@ -71,7 +74,6 @@ from .engine import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
 # Adapters vLLM keeps ready in one batch (GPU slots); more are swapped in from its CPU cache.
 MAX_LORAS = 8
 MAX_LORA_RANK = 64
@@ -158,8 +160,7 @@ class VllmEngine:
         )
         engine = LLMEngine.from_engine_args(args)
         config = json.loads((directory / "config.json").read_text())
-        eos = config.get("eos_token_id")
-        eos_ids = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos_ids = eos_ids_of(config)
         scores_ids = bool(engine.vllm_config.use_v2_model_runner)
         identity = None if on_gpu else self._identity_adapter(engine, directory, config)
         base = _Base(spec.name, engine, eos_ids, spec.vocab_size, scores_ids, identity)
@@ -239,20 +240,14 @@ class VllmEngine:
         self._evict(base, keep=key)
 
     def _evict(self, base: _Base, keep: str) -> None:
-        in_use = {r.adapter for r in self._requests.values() if r.base is base}
-        total = sum(a.nbytes for a in base.adapters.values())
-        for key in list(base.adapters):
-            if total <= self.adapter_cache_bytes:
-                break
-            if key == keep or key in in_use:
-                continue
+        """Keep the cache within its bound (``lru_evictions``)."""
+        in_use = {r.adapter for r in self._requests.values() if r.base is base} | {keep}
+        sizes = {key: a.nbytes for key, a in base.adapters.items()}
+        for key in lru_evictions(sizes, self.adapter_cache_bytes, in_use):
             adapter = base.adapters.pop(key)
             base.engine.remove_lora(adapter.request.lora_int_id)
             shutil.rmtree(adapter.request.lora_path, ignore_errors=True)
-            total -= adapter.nbytes
-            log.info(
-                "evicted adapter %s (%d bytes) from the cache of %s", key, adapter.nbytes, base.name
-            )
+            log.info("evicted adapter %s (%d bytes) from %s", key, adapter.nbytes, base.name)
 
     # -- requests ------------------------------------------------------------------------------
 
