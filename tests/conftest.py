@@ -50,12 +50,18 @@ def _wait_port(port: int, timeout: float = 10.0) -> None:
 
 class RunningSystem:
     def __init__(
-        self, process: subprocess.Popen[str], url: str, data_dir: Path, grpc_target: str = ""
+        self,
+        process: subprocess.Popen[bytes],
+        url: str,
+        data_dir: Path,
+        grpc_target: str = "",
+        metrics: dict[str, str] | None = None,
     ) -> None:
         self.process = process
         self.url = url
         self.data_dir = data_dir
         self.grpc_target = grpc_target  # host:port of the gateway's gRPC API
+        self.metrics = metrics or {}  # service -> its Prometheus /metrics URL
 
     def logs(self) -> str:
         return "\n".join(
@@ -76,26 +82,39 @@ def start_system(
         [str(tinsmith), "up", "--port", str(port), "--data-dir", str(data_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
         env={**os.environ, **(env or {})},
     )
     assert process.stdout is not None
     deadline = time.monotonic() + timeout
-    seen = []
+    seen: list[str] = []
     grpc_target = ""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 1.0)
-        if ready:
-            line = process.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if line.startswith("tinsmith gRPC at "):
-                grpc_target = line.split()[-1]
-            if line.startswith("tinsmith ready at "):
-                return RunningSystem(process, line.split()[-1], data_dir, grpc_target)
+    metrics = {}
+    for line in _lines(process.stdout.fileno(), deadline):
+        seen.append(line)
+        words = line.split()
+        if line.startswith("tinsmith gRPC at "):
+            grpc_target = words[-1]
+        if words[2:4] == ["metrics", "at"]:
+            metrics[words[1]] = words[-1]
+        if line.startswith("tinsmith ready at "):
+            return RunningSystem(process, words[-1], data_dir, grpc_target, metrics)
     process.kill()
     raise RuntimeError(f"tinsmith up did not become ready: {''.join(seen)}")
+
+
+def _lines(fd: int, deadline: float) -> Iterator[str]:
+    """The lines written to ``fd`` until it closes or ``deadline`` passes. Read unbuffered: a
+    buffered reader may take several lines in one read, which ``select`` then never reports."""
+    pending = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from (line.decode() + "\n" for line in lines)
 
 
 def stop_system(system: RunningSystem) -> int:

@@ -98,3 +98,41 @@ def test_a_fold_is_pure() -> None:
     after = jobs.evolve_request(before, LOG[5])
     assert before is not None and before.status is jobs.Status.PENDING
     assert after is not None and after.status is jobs.Status.FAILED
+
+
+def _sample_log(*outcomes: bus.Event) -> jobs.Projection:
+    accepted = events.make(
+        request_accepted=bus.RequestAccepted(
+            request_id="S:sample:0:0", aggregate_id="S:sample:0", seq_id=0, sample=bus.Sample()
+        )
+    )
+    return _replay([accepted, *outcomes])
+
+
+def _cancelled() -> bus.Event:
+    return events.make(
+        request_cancelled=bus.RequestCancelled(
+            request_id="S:sample:0:0", aggregate_id="S:sample:0", detail="the client went away"
+        )
+    )
+
+
+def test_a_cancelled_request_fails_as_cancelled_and_leaves_the_queue() -> None:
+    assert _sample_log().pending_samples == 1
+    state = _sample_log(_cancelled())
+    request = state.requests["S:sample:0:0"]
+    assert (request.status, request.error_kind) == (jobs.Status.FAILED, "cancelled")
+    assert request.error_detail == "the client went away"
+    assert state.pending_samples == 0
+
+
+def test_a_cancellation_and_a_completion_the_first_wins() -> None:
+    done = events.make(
+        request_completed=bus.RequestCompleted(
+            request_id="S:sample:0:0", aggregate_id="S:sample:0", result_seq=7
+        )
+    )
+    late_completion = _sample_log(_cancelled(), done).requests["S:sample:0:0"]
+    assert late_completion.error_kind == "cancelled"
+    late_cancel = _sample_log(done, _cancelled()).requests["S:sample:0:0"]
+    assert (late_cancel.status, late_cancel.result_seq) == (jobs.Status.COMPLETED, 7)

@@ -15,6 +15,18 @@ def test_event_subjects_per_aggregate() -> None:
     assert subjects.result_subject("S:train:0:4") == "tinsmith.results.S:train:0:4"
 
 
+def test_cancellations_have_a_subject_below_their_sampler_that_samplers_follow_alone() -> None:
+    subject = subjects.event_subject("sampler", "S:sample:0", "request_cancelled")
+    assert subject == "tinsmith.events.sampler.S:sample:0.cancelled"
+    assert subjects.SAMPLES_CANCELLED == "tinsmith.events.sampler.*.cancelled"
+    assert subjects.template(subject) == "tinsmith.events.sampler.*.cancelled"
+    # Still one of the sampler's events, for everything that follows all of them.
+    assert subjects.events_of("sampler").removesuffix(">") in subject
+    assert subjects.event_subject("sampler", "S:sample:0", "request_completed") == (
+        "tinsmith.events.sampler.S:sample:0"
+    )
+
+
 @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x" * 201])
 def test_ids_that_would_break_a_subject_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest, match="not a valid id"):

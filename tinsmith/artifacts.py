@@ -107,6 +107,12 @@ def snapshot_key(model_id: str, next_seq_id: int) -> str:
     return f"runs/{subjects.check_id('run id', model_id)}/snapshots/{next_seq_id:08d}"
 
 
+def run_of_key(key: str) -> str:
+    """The run whose artifact ``key`` is (``runs/<run id>/...``); "" for any other key."""
+    parts = key.split("/")
+    return parts[1] if len(parts) == KEY_DEPTH and parts[0] == RUNS else ""
+
+
 def ephemeral_sampler_key(model_id: str, sampler_id: str) -> str:
     """The key of the unnamed snapshot behind ``save_weights_and_get_sampling_client``."""
     return f"runs/{model_id}/ephemeral/{subjects.check_id('sampler id', sampler_id)}"

@@ -20,6 +20,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -27,7 +28,9 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 import fsspec
+from opentelemetry.trace import Span
 
+from tinsmith import telemetry
 from tinsmith.failures import InvalidRequest
 
 _SEALED = ".complete"
@@ -76,11 +79,19 @@ class BlobStore:
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key.strip('/'))}"
 
+    def _span(self, operation: str, key: str) -> AbstractContextManager[Span]:
+        """A transfer's span: object-store I/O in the trace of the request it serves."""
+        attributes = {"tinsmith.blob.key": key, "tinsmith.blob.store": self.protocols[0]}
+        return telemetry.tracer.start_as_current_span(f"blob.{operation}", attributes=attributes)
+
     # -- artifacts -----------------------------------------------------------------------------
 
     async def put_dir(self, key: str, local_dir: Path) -> int:
         """Upload every file of ``local_dir`` under ``key``, then seal it. Returns bytes written."""
-        return await asyncio.to_thread(self._put_dir, key, local_dir)
+        with self._span("put", key) as span:
+            size = await asyncio.to_thread(self._put_dir, key, local_dir)
+            span.set_attribute("tinsmith.blob.bytes", size)
+            return size
 
     def _put_dir(self, key: str, local_dir: Path) -> int:
         target = self._path(key)
@@ -99,7 +110,10 @@ class BlobStore:
 
     async def get_dir(self, key: str, local_dir: Path) -> None:
         """Download the sealed artifact at ``key`` into ``local_dir``."""
-        await asyncio.to_thread(self._get_dir, key, local_dir)
+        with self._span("get", key) as span:
+            await asyncio.to_thread(self._get_dir, key, local_dir)
+            size = sum(p.stat().st_size for p in local_dir.iterdir() if p.is_file())
+            span.set_attribute("tinsmith.blob.bytes", size)
 
     def _get_dir(self, key: str, local_dir: Path) -> None:
         source = self._path(key)

@@ -1,17 +1,21 @@
 """The NATS wrapper: connection, streams, durable consumers, request-reply.
 
 Owns: how tinsmith talks to NATS and JetStream (stream settings, consumer settings, message
-ids for de-duplication). Does not own: subject names (tinsmith/subjects.py) or what the bytes
-mean (tinsmith/eventlog.py and the services). Handlers receive payloads and never touch headers.
+ids for de-duplication), and carrying trace context in message headers: a publish or a request
+is a span whose context travels with the message, and the receiving side starts its spans under
+it. Does not own: subject names (tinsmith/subjects.py) or what the bytes mean
+(tinsmith/eventlog.py and the services). Handlers receive payloads and never touch headers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -22,8 +26,10 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import NotFoundError
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, set_span_in_context
 
-from tinsmith import subjects
+from tinsmith import subjects, telemetry
 from tinsmith.failures import Unavailable
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,29 @@ class Delivery:
     stream_seq: int
     num_delivered: int
     _msg: Msg
+    # When JetStream stored the message (unix ns): where a request's queue wait starts.
+    published_ns: int
+    received_ns: int
+
+    @functools.cached_property
+    def trace(self) -> Context:
+        """The trace the message belongs to, with this consumer's receive span in it: spans of
+        its work start under it. Made on first use, so messages a handler only acks (events it
+        has no work for) add nothing to the traces."""
+        subject = self._msg.subject
+        span = telemetry.tracer.start_span(
+            f"receive {subjects.template(subject)}",
+            context=telemetry.extract(self._msg.headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                **_messaging(subject, "receive"),
+                "messaging.message.id": str(self.stream_seq),
+                "messaging.nats.delivery_count": self.num_delivered,
+            },
+            start_time=self.received_ns,
+        )
+        span.end(end_time=self.received_ns)
+        return set_span_in_context(span)
 
     async def ack(self) -> None:
         await self._msg.ack()
@@ -112,8 +141,16 @@ class Bus:
 
     async def publish(self, subject: str, payload: bytes, msg_id: str | None = None) -> api.PubAck:
         """Append to a stream and wait until it is durable. ``msg_id`` de-duplicates retries."""
-        headers = {api.Header.MSG_ID.value: msg_id} if msg_id else None
-        return await self.js.publish(subject, payload, headers=headers)
+        with telemetry.tracer.start_as_current_span(
+            f"publish {subjects.template(subject)}",
+            kind=SpanKind.PRODUCER,
+            attributes=_messaging(subject, "publish"),
+        ) as span:
+            headers = {api.Header.MSG_ID.value: msg_id} if msg_id else {}
+            telemetry.inject(headers)
+            ack = await self.js.publish(subject, payload, headers=headers or None)
+            span.set_attribute("messaging.message.id", str(ack.seq))
+            return ack
 
     async def get(self, stream: str, seq: int) -> bytes:
         msg = await self.js.get_msg(stream, seq)
@@ -192,16 +229,7 @@ class Bus:
                     log.exception("fetch from %s failed; retrying", durable)
                     await asyncio.sleep(1.0)
                     continue
-                deliveries = [
-                    Delivery(
-                        data=m.data,
-                        stream_seq=int(m.metadata.sequence.stream),
-                        num_delivered=int(m.metadata.num_delivered or 1),
-                        _msg=m,
-                    )
-                    for m in msgs
-                ]
-                await handler(deliveries)
+                await handler([_delivery(m) for m in msgs])
 
         self.spawn(loop())
 
@@ -209,11 +237,17 @@ class Bus:
         """Answer requests on ``subject``; replicas share them through a queue group."""
 
         async def on_msg(msg: Msg) -> None:
-            try:
-                reply = await handler(msg.data)
-            except Exception:
-                log.exception("handler for %s failed", subject)
-                return
+            with telemetry.tracer.start_as_current_span(
+                f"process {subject}",
+                context=telemetry.extract(msg.headers),
+                kind=SpanKind.SERVER,
+                attributes=_messaging(subject, "process"),
+            ):
+                try:
+                    reply = await handler(msg.data)
+                except Exception:
+                    log.exception("handler for %s failed", subject)
+                    return
             await msg.respond(reply)
 
         await self.nc.subscribe(subject, queue=subject, cb=on_msg)
@@ -233,14 +267,41 @@ class Bus:
     async def request(self, subject: str, payload: bytes, timeout: float = 10.0) -> bytes:
         """Ask the service behind ``subject``; its absence is transient (Unavailable), which
         clients retry."""
-        try:
-            msg = await self.nc.request(subject, payload, timeout=timeout)
-        except (NoRespondersError, NatsTimeoutError) as exc:
-            raise Unavailable(f"no service answers {subject} yet; retry shortly") from exc
-        return msg.data
+        with telemetry.tracer.start_as_current_span(
+            f"send {subject}", kind=SpanKind.CLIENT, attributes=_messaging(subject, "send")
+        ):
+            headers: dict[str, str] = {}
+            telemetry.inject(headers)
+            try:
+                msg = await self.nc.request(
+                    subject, payload, timeout=timeout, headers=headers or None
+                )
+            except (NoRespondersError, NatsTimeoutError) as exc:
+                raise Unavailable(f"no service answers {subject} yet; retry shortly") from exc
+            return msg.data
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run a background task owned by this connection; it is cancelled on close."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _messaging(subject: str, operation: str) -> dict[str, str]:
+    return {
+        "messaging.system": "nats",
+        "messaging.operation.type": operation,
+        "messaging.destination.name": subject,
+    }
+
+
+def _delivery(msg: Msg) -> Delivery:
+    stored = msg.metadata.timestamp
+    return Delivery(
+        data=msg.data,
+        stream_seq=int(msg.metadata.sequence.stream),
+        num_delivered=int(msg.metadata.num_delivered or 1),
+        _msg=msg,
+        published_ns=int(stored.timestamp() * 1e9) if stored is not None else 0,
+        received_ns=time.time_ns(),
+    )

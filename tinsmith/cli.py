@@ -74,6 +74,8 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
         # mask), and wait for them, or for a child to exit.
         watched = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
         signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+        for name in SERVICES:
+            print(f"tinsmith {name} metrics at {system.metrics_url(name)}", flush=True)
         print(f"tinsmith ready at {system.url}", flush=True)
         while True:
             info = signal.sigtimedwait(watched, 5.0)

@@ -2,34 +2,100 @@
 
 Owns: running blocking compute off the event loop, on one dedicated thread, so the bus keeps
 flowing while a step runs and all torch calls of a process come from the same thread (measured on
-2 cores: the same step took 0.45 s on one thread and 0.66 s from several). Does not own: what
-runs there; this module never imports torch.
+2 cores: the same step took 0.45 s on one thread and 0.66 s from several); the time the thread is
+busy (the ``tinsmith.compute.busy`` counter: the engine's duty cycle); and the ``compute`` spans
+of traced work, which start when the work starts on the thread, not when it was queued for it.
+Does not own: what runs there; this module never imports torch (a service hands in a
+``GpuClock`` when its engine computes on a GPU).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, Protocol, TypeVar
+
+from tinsmith import telemetry
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
+class GpuClock(Protocol):
+    """Measures GPU time between two points of the compute thread (CUDA events, say)."""
+
+    def start(self) -> object:
+        """Mark the start; return what ``elapsed_ms`` needs."""
+
+    def elapsed_ms(self, mark: object) -> float:
+        """GPU milliseconds from ``mark`` to now (it may wait for the GPU to get there)."""
+
+
 class ComputeThread:
-    def __init__(self, name: str, initializer: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        initializer: Callable[[], None] | None = None,
+        *,
+        device: Callable[[], str] = lambda: "cpu",
+        gpu_clock: GpuClock | None = None,
+    ) -> None:
         """``initializer`` runs first on the thread (torch's intra-op thread count, for one, is
-        a setting of the thread that computes)."""
+        a setting of the thread that computes). ``device`` names where the work runs, for the
+        spans; on a CUDA device, ``gpu_clock`` adds the GPU time of each traced piece of work to
+        its span."""
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=name, initializer=initializer
         )
+        self._device = device
+        self.gpu_clock = gpu_clock
 
     async def run(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Run ``fn`` on the compute thread and await its result."""
+        return await self._submit(functools.partial(self._timed, fn, *args, **kwargs))
+
+    async def traced(
+        self,
+        op: str,
+        attributes: telemetry.Attributes,
+        fn: Callable[_P, _T],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T:
+        """Run ``fn`` like ``run``, inside a ``compute`` span (a child of the current span)
+        carrying ``op``, ``attributes``, the device, and the GPU time on a GPU."""
+        work = functools.partial(fn, *args, **kwargs)
+        return await self._submit(functools.partial(self._spanned, op, attributes, work))
+
+    async def _submit(self, call: Callable[[], _T]) -> _T:
+        # The current context goes along, so a span started on the thread has the right parent.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        context = contextvars.copy_context()
+        return await loop.run_in_executor(self._executor, context.run, call)
+
+    def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            telemetry.BUSY.add(time.perf_counter() - started)
+
+    def _spanned(self, op: str, attributes: telemetry.Attributes, work: Callable[[], _T]) -> _T:
+        device = self._device()
+        with telemetry.tracer.start_as_current_span(
+            "compute", attributes={"tinsmith.op": op, "tinsmith.device": device, **attributes}
+        ) as span:
+            on_gpu = device.startswith("cuda") and telemetry.tracing()
+            clock = self.gpu_clock if on_gpu else None
+            mark = clock.start() if clock is not None else None
+            result = self._timed(work)
+            if clock is not None:
+                span.set_attribute("tinsmith.gpu_time_ms", clock.elapsed_ms(mark))
+            return result
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -69,6 +69,8 @@ class System:
     nats_url: str = ""
     # The gateway's gRPC port; 0: a free one, picked at start.
     grpc_port: int = 0
+    # Each service's health and metrics port (/livez, /readyz, /metrics), picked at start.
+    health_ports: dict[str, int] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -77,6 +79,9 @@ class System:
     @property
     def grpc_target(self) -> str:
         return f"{self.host}:{self.grpc_port}"
+
+    def metrics_url(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.health_ports[service]}/metrics"
 
     @property
     def log_dir(self) -> Path:
@@ -101,11 +106,12 @@ class System:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
         }
-        # Four services on one machine would contend for one health port; the launcher checks
-        # readiness over NATS instead (the health endpoint is for Kubernetes probes).
-        env.pop(health.PORT_VARIABLE, None)
+        # Each service gets a health port of its own, for its /metrics; the launcher checks
+        # readiness over NATS.
         for name in SERVICES:
-            self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], env)
+            self.health_ports[name] = free_port()
+            service_env = {**env, health.PORT_VARIABLE: str(self.health_ports[name])}
+            self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], service_env)
         await self._wait_ready(timeout_s)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:

@@ -12,10 +12,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from tinsmith import events, jobs, subjects
+from opentelemetry import trace
+
+from tinsmith import events, jobs, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import Bus
-from tinsmith.failures import InternalError, TinsmithError
+from tinsmith.failures import Cancelled, InternalError, TinsmithError
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +37,8 @@ class EventLog:
         """Append ``event`` on its aggregate's subject; return ``(log position, duplicate)``.
         ``msg_id`` makes a retried append within the duplicate window a no-op."""
         aggregate, agg_id = events.aggregate_of(event, request_aggregate=request_aggregate)
-        ack = await self.bus.publish(
-            subjects.event_subject(aggregate, agg_id), events.encode(event), msg_id=msg_id
-        )
+        subject = subjects.event_subject(aggregate, agg_id, events.kind_of(event))
+        ack = await self.bus.publish(subject, events.encode(event), msg_id=msg_id)
         return int(ack.seq), bool(ack.duplicate)
 
     async def put_result(self, request_id: str, body: bytes, media_type: str) -> int:
@@ -91,6 +92,22 @@ class EventLog:
             request_aggregate=request_aggregate,
         )
 
+    async def cancel(
+        self, request_id: str, aggregate_id: str, detail: str, *, request_aggregate: str
+    ) -> bool:
+        """Record that a request's caller went away: it settles as cancelled unless an outcome
+        was recorded first (same msg_id: whichever comes second is de-duplicated, and the fold
+        keeps the first outcome anyway). Returns whether the cancellation was recorded."""
+        cancelled = bus.RequestCancelled(
+            request_id=request_id, aggregate_id=aggregate_id, detail=detail
+        )
+        _, duplicate = await self.append(
+            events.make(request_cancelled=cancelled),
+            msg_id=f"done:{request_id}",
+            request_aggregate=request_aggregate,
+        )
+        return not duplicate
+
     async def settle(
         self,
         accepted: bus.RequestAccepted,
@@ -102,13 +119,19 @@ class EventLog:
         """Run a request's work and record its outcome: the result, or a failure whose kind
         says whose fault it was. An unexpected exception is a server fault, logged in full."""
         started = time.perf_counter()
+        command = events.command_of(accepted)
         try:
             body, media_type = await work()
+        except Cancelled as cancelled:
+            # Its outcome, the cancellation, is in the log already: nothing to record.
+            telemetry.record_error(trace.get_current_span(), cancelled.kind, cancelled.detail)
+            telemetry.work_done(command, time.perf_counter() - started, cancelled.kind)
+            return
         except TinsmithError as error:
             failure = error
         except Exception as exc:
             log.exception("request %s failed in the %s", accepted.request_id, worker)
-            failure = InternalError(f"{events.command_of(accepted)} failed in the {worker}: {exc}")
+            failure = InternalError(f"{command} failed in the {worker}: {exc}")
         else:
             await self.complete(
                 accepted.request_id,
@@ -118,7 +141,9 @@ class EventLog:
                 request_aggregate=request_aggregate,
                 compute_seconds=time.perf_counter() - started,
             )
+            telemetry.work_done(command, time.perf_counter() - started)
             return
+        telemetry.record_error(trace.get_current_span(), failure.kind, failure.detail)
         await self.fail(
             accepted.request_id,
             accepted.aggregate_id,
@@ -126,6 +151,7 @@ class EventLog:
             failure.detail,
             request_aggregate=request_aggregate,
         )
+        telemetry.work_done(command, time.perf_counter() - started, failure.kind)
 
 
 class FollowedProjection:

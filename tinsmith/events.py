@@ -28,7 +28,13 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "checkpoint_published": ("run", "model_id"),
     "checkpoint_ttl_set": ("run", "model_id"),
 }
-_REQUEST_EVENTS = ("request_accepted", "request_rejected", "request_completed", "request_failed")
+_REQUEST_EVENTS = (
+    "request_accepted",
+    "request_rejected",
+    "request_completed",
+    "request_failed",
+    "request_cancelled",
+)
 
 
 def make(**kind: Any) -> bus.Event:

@@ -81,13 +81,32 @@ class Overloaded(TinsmithError):
     category = Category.SERVER
 
 
+class Cancelled(TinsmithError):
+    """The request was cancelled before it finished (its gRPC call was cancelled, or its deadline
+    passed): it will never have a result. A repeat of it gets this again (HTTP 410, which the SDK
+    does not retry); new work needs a new seq_id."""
+
+    kind = "cancelled"
+    http_status = 410
+    grpc_code = "CANCELLED"
+    category = Category.USER
+
+
 class InternalError(TinsmithError):
     """A bug or an unexpected failure inside tinsmith."""
 
 
 _KINDS: dict[str, type[TinsmithError]] = {
     cls.kind: cls
-    for cls in (InvalidRequest, NotFound, Unprocessable, Unavailable, Overloaded, InternalError)
+    for cls in (
+        InvalidRequest,
+        NotFound,
+        Unprocessable,
+        Unavailable,
+        Overloaded,
+        Cancelled,
+        InternalError,
+    )
 }
 
 

@@ -8,11 +8,11 @@ Owns: a small HTTP server (aiohttp) with two routes, and the readiness checks a 
   check and its result, so an operator sees why a pod is not ready.
 
 The server listens on ``TINSMITH_HEALTH_PORT`` on every interface (the kubelet probes the pod's
-address). Unset or empty: no server, which is what ``tinsmith up`` does (its four services share
-one machine, and it checks readiness over NATS instead).
+address). Unset or empty: no server. ``tinsmith up`` gives each of its services a free port of its
+own (it prints their ``/metrics`` addresses) and checks readiness over NATS.
 
-Does not own: what the checks look at (``tinsmith/runtime.py`` registers them). More routes, such
-as a Prometheus ``/metrics``, are added with ``add_route`` before ``start``.
+Does not own: what the checks look at, or the Prometheus ``/metrics`` route (``tinsmith/runtime.py``
+registers both; routes are added with ``add_route`` before ``start``).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from tinsmith import events
 from tinsmith._proto import bus_pb2 as bus
+from tinsmith.failures import Cancelled
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -100,6 +101,13 @@ def evolve_request(state: RequestState | None, event: bus.Event) -> RequestState
         failed = event.request_failed
         return replace(
             state, status=Status.FAILED, error_kind=failed.kind, error_detail=failed.detail
+        )
+    if kind == "request_cancelled":
+        return replace(
+            state,
+            status=Status.FAILED,
+            error_kind=Cancelled.kind,
+            error_detail=event.request_cancelled.detail,
         )
     return state
 
@@ -191,8 +199,10 @@ class Projection:
     requests: dict[str, RequestState] = field(default_factory=dict)
     checkpoints: dict[str, bus.WeightsSaved] = field(default_factory=dict)
     saved_at: dict[str, float] = field(default_factory=dict)  # tinker path -> event time
-    # Sample requests accepted and not yet settled: the depth of the samplers' shared queue.
+    # Requests accepted and not yet settled: the depth of the samplers' shared queue, and of
+    # the trainers' work.
     pending_samples: int = 0
+    pending_training: int = 0
     position: int = 0
 
     def apply(self, seq: int, event: bus.Event) -> None:
@@ -208,9 +218,13 @@ class Projection:
                 before = self.requests.get(rid)
                 after = evolve_request(before, event)
                 _put(self.requests, rid, after)
-                if after is not None and after.command == "sample":
+                if after is not None:
                     was = before is not None and before.status is Status.PENDING
-                    self.pending_samples += int(after.status is Status.PENDING) - int(was)
+                    change = int(after.status is Status.PENDING) - int(was)
+                    if after.command == "sample":
+                        self.pending_samples += change
+                    else:
+                        self.pending_training += change
             agg = body.aggregate_id
             _put(self.runs, agg, evolve_run(self.runs.get(agg), event))
             if kind == "request_accepted" and body.HasField("create_model"):

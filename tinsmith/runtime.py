@@ -1,6 +1,7 @@
-"""How a service process runs: parse its command line (``--help`` only), serve its health
-endpoint, connect to NATS, make sure the streams exist, start, answer the readiness ping, and stop
-cleanly on SIGINT or SIGTERM.
+"""How a service process runs: parse its command line (``--help`` only), set up its logs and
+telemetry, serve its health endpoint (with the Prometheus ``/metrics``), connect to NATS, make
+sure the streams exist, start, answer the readiness ping, and stop cleanly on SIGINT or SIGTERM
+(flushing the spans and metrics not yet exported).
 
 Readiness means: connected to NATS, and ``start`` finished, which for the trainer and the sampler
 includes loading the base models named in ``TINSMITH_BASE_MODELS`` (``preload_base_models``). On a
@@ -17,13 +18,15 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from aiohttp import web
 from nats.errors import Error as NatsError
 
-from tinsmith import health, models, subjects
+from tinsmith import health, models, subjects, telemetry
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.failures import TinsmithError
@@ -71,19 +74,13 @@ async def preload_base_models(compute: ComputeThread, load_base: Callable[[str],
         log.info("base model %s loaded in %.1f s", name, time.monotonic() - began)
 
 
-def configure_logging() -> None:
-    logging.basicConfig(
-        level=os.environ.get("TINSMITH_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
 Start = Callable[[Bus], Awaitable[Callable[[], Awaitable[None]] | None]]
 
 _EPILOG = """\
 configuration comes from the environment: TINSMITH_NATS_URL (required), TINSMITH_HEALTH_PORT
-(/livez and /readyz; unset: no health server), TINSMITH_LOG_LEVEL, and the service's own
-TINSMITH_* variables (README.md, docs/deploy.md). Stop with SIGINT or SIGTERM."""
+(/livez, /readyz and the Prometheus /metrics; unset: no health server), TINSMITH_LOG_LEVEL,
+TINSMITH_LOG_FORMAT (json or text), the standard OTEL_* variables for traces and metrics, and the
+service's own TINSMITH_* variables (README.md, docs/deploy.md). Stop with SIGINT or SIGTERM."""
 
 
 def run(name: str, start: Start, description: str | None = None) -> None:
@@ -98,8 +95,12 @@ def run(name: str, start: Start, description: str | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.parse_args()
-    configure_logging()
-    asyncio.run(_main(name, start))
+    telemetry.configure_logging(name)
+    telemetry.setup(name, instance=f"{socket.gethostname()}:{os.getpid()}")
+    try:
+        asyncio.run(_main(name, start))
+    finally:
+        telemetry.shutdown()
 
 
 @dataclass
@@ -126,6 +127,7 @@ async def _main(name: str, start: Start) -> None:
     server = health.HealthServer(name)
     server.add_check("nats", state.connected)
     server.add_check("started", state.serving)
+    server.add_route("/metrics", _metrics)
     port = health.port_from_env()
     if port is not None:  # first, so liveness answers while NATS or a model load is awaited
         await server.start(port)
@@ -133,6 +135,11 @@ async def _main(name: str, start: Start) -> None:
         await _serve(name, start, stop, state)
     finally:
         await server.stop()
+
+
+async def _metrics(_: web.Request) -> web.Response:
+    body, content_type = telemetry.prometheus_text()
+    return web.Response(body=body, headers={"Content-Type": content_type})
 
 
 async def _serve(name: str, start: Start, stop: asyncio.Event, state: _Lifecycle) -> None:

@@ -18,10 +18,21 @@ _EVENTS = "tinsmith.events"
 # Results of requests (ForwardBackwardOutput, SampleResponse, small JSON), kept for a while.
 RESULTS_STREAM = "TINSMITH_RESULTS"
 RESULTS_ALL = "tinsmith.results.>"
+_RESULTS = "tinsmith.results"
 
 # Durable consumers of the event log that turn accepted requests into work.
 TRAINER_CONSUMER = "trainer"
 SAMPLER_CONSUMER = "sampler"
+
+# Cancelled sample requests: a RequestCancelled is an event of its sampler, on a subject one
+# token below the sampler's (``event_subject``), so that every sampler replica can follow just
+# the cancellations (an ordered consumer each) while its shared work queue takes the rest.
+SAMPLES_CANCELLED = f"{_EVENTS}.sampler.*.cancelled"
+_OWN_SUBJECT = {"request_cancelled": "cancelled"}
+
+# Tokens of streamed sample requests as a sampler generates them (core NATS, not stored): one
+# subject per gateway replica that relays them (``sample_stream_subject``).
+_SAMPLE_STREAMS = "tinsmith.samples.stream"
 
 # Liveness of sessions (core NATS, not stored): the gateway publishes a session id each time the
 # SDK heart-beats; the trainer lets go of the runs of sessions that fall silent.
@@ -64,11 +75,28 @@ def check_id(what: str, value: str) -> str:
     return value
 
 
-def event_subject(aggregate: str, aggregate_id: str) -> str:
-    """The subject of one aggregate's events, e.g. ``tinsmith.events.run.<model_id>``."""
+def event_subject(aggregate: str, aggregate_id: str, kind: str = "") -> str:
+    """The subject of one aggregate's events, e.g. ``tinsmith.events.run.<model_id>``; an event
+    ``kind`` that others follow alone goes one token below it
+    (``tinsmith.events.sampler.<sampler_id>.cancelled``)."""
     if aggregate not in AGGREGATES:
         raise ValueError(f"unknown aggregate {aggregate!r}")
-    return f"{_EVENTS}.{aggregate}.{check_id(aggregate + ' id', aggregate_id)}"
+    subject = f"{_EVENTS}.{aggregate}.{check_id(aggregate + ' id', aggregate_id)}"
+    own = _OWN_SUBJECT.get(kind)
+    return f"{subject}.{own}" if own else subject
+
+
+def template(subject: str) -> str:
+    """``subject`` with its id token replaced by ``*``: a name of bounded cardinality for spans
+    and metrics (``tinsmith.events.run.*``)."""
+    tokens = subject.split(".")
+    if subject.startswith(_EVENTS + ".") and len(tokens) > 3:
+        return ".".join([*tokens[:3], "*", *tokens[4:]])
+    if subject.startswith(_RESULTS + "."):
+        return _RESULTS + ".*"
+    if subject.startswith(_SAMPLE_STREAMS + "."):
+        return _SAMPLE_STREAMS + ".*"
+    return subject
 
 
 def events_of(aggregate: str) -> str:
@@ -80,7 +108,13 @@ def events_of(aggregate: str) -> str:
 
 def result_subject(request_id: str) -> str:
     """Where the result of one request is stored in the results stream."""
-    return f"tinsmith.results.{check_id('request id', request_id)}"
+    return f"{_RESULTS}.{check_id('request id', request_id)}"
+
+
+def sample_stream_subject(gateway: str) -> str:
+    """Where samplers publish the tokens of the streamed requests that gateway replica
+    ``gateway`` relays (``bus.Sample.stream_to``)."""
+    return f"{_SAMPLE_STREAMS}.{check_id('gateway id', gateway)}"
 
 
 def catalog_subject(op: str) -> str:

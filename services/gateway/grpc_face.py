@@ -10,25 +10,35 @@ Message size: a request may be at most ``GatewayConfig.grpc_max_message_bytes`` 
 message on NATS, whose limit is 8 MiB); a larger one fails with RESOURCE_EXHAUSTED from gRPC
 itself, saying both sizes. Split a large forward_backward batch into several calls, as the SDK
 does.
+
+Sampling streams and cancels. SampleStream watches the request's tokens on this replica before
+accepting it with ``stream`` set, relays each step's new tokens, and builds its last message
+from the stored result, so what a client concatenates is exactly what Sample answers. A Sample or
+SampleStream call that ends before its result (deadline, or the client cancelled) cancels its
+request (``Gateway.cancel_sample``). Training calls only stop waiting: their requests stay queued.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from tinsmith import subjects
+from tinsmith import events, subjects, telemetry
+from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import TinsmithError
+from tinsmith.failures import InternalError, TinsmithError
 
 from .config import GatewayConfig
 from .handlers import Gateway, JsonDict
@@ -38,7 +48,19 @@ log = logging.getLogger(__name__)
 
 PACKAGE = "tinsmith.v1"
 SERVICES = ("Training", "Sampling", "Catalog")
-Method = Callable[[Any, Any], Awaitable[Message]]
+Method = Callable[[Any, Any], Awaitable[Message | None]]
+
+# Why a sample request was cancelled, as its future's failure says.
+_DEADLINE = "its gRPC call's deadline passed before it finished"
+_CLIENT = "its gRPC client cancelled the call"
+
+
+class _DeadlinePassed(Exception):
+    """A sample call's deadline passed: DEADLINE_EXCEEDED, saying what became of the request."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
 
 
 class GrpcFace:
@@ -145,6 +167,40 @@ class GrpcFace:
         return svc.CreateSamplingSessionResponse(sampling_session_id=created["sampling_session_id"])
 
     async def Sample(self, request: svc.SampleRequest, context: Any) -> Message:
+        request_id = await self._accept_sample(request, context, stream=False)
+        async with self._cancelling(request_id, context):
+            body, _ = await self.gateway.result(request_id, context.time_remaining())
+        return tp.SampleResponse.FromString(body)
+
+    async def SampleStream(self, request: svc.SampleRequest, context: Any) -> None:
+        request_id = events.request_id(request.sampling_session_id, request.seq_id)
+        relay = _Relay()
+        with self.gateway.watch(request_id) as progress:  # before the sampler can send any
+            await self._accept_sample(request, context, stream=True)
+            async with self._cancelling(request_id, context):
+                settled = asyncio.ensure_future(
+                    self.gateway.result(request_id, context.time_remaining())
+                )
+                arrival: asyncio.Future[bus.SampleProgress] | None = None
+                try:
+                    while not settled.done():
+                        arrival = asyncio.ensure_future(progress.get())
+                        await asyncio.wait({arrival, settled}, return_when=asyncio.FIRST_COMPLETED)
+                        if arrival.done():
+                            chunk = relay.forward(arrival.result())
+                            if chunk is not None:
+                                await context.write(chunk)
+                    body, _ = settled.result()
+                finally:
+                    settled.cancel()
+                    if arrival is not None:
+                        arrival.cancel()  # what it would have got is in the stored result
+        await context.write(relay.last(tp.SampleResponse.FromString(body)))
+        telemetry.annotate({"tinsmith.stream.messages": relay.messages})
+
+    async def _accept_sample(self, request: svc.SampleRequest, context: Any, stream: bool) -> str:
+        """Accept a sample request; return its request id. A call that ends meanwhile still
+        gets its request accepted, and then cancelled."""
         body = {
             "sampling_session_id": request.sampling_session_id,
             "seq_id": request.seq_id,
@@ -155,8 +211,41 @@ class GrpcFace:
             "topk_prompt_logprobs": request.topk_prompt_logprobs,
             "topk_sample_logprobs": request.topk_sample_logprobs,
         }
-        future = await self.gateway.asample(body)
-        return tp.SampleResponse.FromString(await self._bytes(future, context))
+        accepting = asyncio.ensure_future(self.gateway.asample(body, stream=stream))
+        try:
+            future = await asyncio.shield(accepting)
+        except asyncio.CancelledError:
+            why = _DEADLINE if _expired(context) else _CLIENT
+
+            def cancel(done: asyncio.Future[JsonDict]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._cancel(done.result()["request_id"], why)
+
+            accepting.add_done_callback(cancel)
+            raise
+        request_id = future["request_id"]
+        assert isinstance(request_id, str)
+        return request_id
+
+    @contextlib.asynccontextmanager
+    async def _cancelling(self, request_id: str, context: Any) -> AsyncIterator[None]:
+        """Cancel the sample request if the call ends before its result: its deadline passes
+        (DEADLINE_EXCEEDED) or the client cancels it."""
+        try:
+            yield
+        except TimeoutError as exc:
+            raise _DeadlinePassed(self._cancel(request_id, _DEADLINE)) from exc
+        except asyncio.CancelledError:
+            self._cancel(request_id, _DEADLINE if _expired(context) else _CLIENT)
+            raise
+
+    def _cancel(self, request_id: str, why: str) -> str:
+        """Cancel in the background (the call is over, and its task may be cancelled too)."""
+        detail = (
+            f"sample request {request_id} was cancelled: {why}; send it again with a new seq_id"
+        )
+        self.gateway.log.bus.spawn(self.gateway.cancel_sample(request_id, detail))
+        return detail
 
     # -- catalog -------------------------------------------------------------------------------
 
@@ -197,6 +286,74 @@ class GrpcFace:
         return result
 
 
+class _Relay:
+    """What one SampleStream call has sent of each sequence, so that it forwards each token once
+    and in order, and ends with exactly what the stored result holds."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[int]] = {}
+        self.diverged = False  # a rerun of the request drew other tokens than those sent
+        self.messages = 0
+
+    def forward(self, progress: bus.SampleProgress) -> svc.SampleChunk | None:
+        """The part of the sampler's news not sent yet: a delta that starts past what was sent
+        (one before it was lost) is left for the last message; one that overlaps what was sent
+        (the request ran again after a replica died) is checked against it."""
+        chunk = svc.SampleChunk()
+        for delta in progress.deltas:
+            sent = self.sent.setdefault(delta.index, [])
+            tokens = np.frombuffer(delta.tokens, "<i4")
+            known = len(sent) - delta.offset
+            if known < 0 or self.diverged:
+                continue
+            if tokens[:known].tolist() != sent[delta.offset :]:
+                self.diverged = True
+                continue
+            if known >= len(tokens):
+                continue
+            chunk.deltas.add(
+                index=delta.index,
+                offset=len(sent),
+                tokens=tokens[known:].tobytes(),
+                logprobs=np.frombuffer(delta.logprobs, "<f4")[known:].tobytes(),
+            )
+            sent.extend(tokens[known:].tolist())
+        if not chunk.deltas:
+            return None
+        self.messages += 1
+        return chunk
+
+    def last(self, response: tp.SampleResponse) -> svc.SampleChunk:
+        """The last message: each sequence's tokens not sent yet, and the rest of the answer."""
+        chunk = svc.SampleChunk()
+        for index, sequence in enumerate(response.sequences):
+            tokens = np.frombuffer(sequence.tokens, "<i4")
+            sent = self.sent.get(index, [])
+            if self.diverged or tokens[: len(sent)].tolist() != sent:
+                raise InternalError(
+                    "the request ran again on another sampler replica (one stopped mid-request) "
+                    "and drew other tokens than those streamed; its result is final: call "
+                    "Sample with the same seq_id to get it"
+                )
+            if len(tokens) > len(sent):
+                chunk.deltas.add(
+                    index=index,
+                    offset=len(sent),
+                    tokens=tokens[len(sent) :].tobytes(),
+                    logprobs=np.frombuffer(sequence.logprobs, "<f4")[len(sent) :].tobytes(),
+                )
+            sequence.ClearField("tokens")
+            sequence.ClearField("logprobs")
+        chunk.response.CopyFrom(response)
+        self.messages += 1
+        return chunk
+
+
+def _expired(context: Any) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
+
+
 def _owner(context: Any) -> str:
     metadata = dict(context.invocation_metadata() or ())
     key = metadata.get("x-api-key", "")
@@ -217,28 +374,62 @@ def _sampling_params(params: tp.SamplingParams) -> JsonDict:
     return body
 
 
-def _method(fn: Method) -> Method:
-    """One RPC with the error tree mapped to status codes, as http.py maps it to statuses."""
+def _method(fn: Method, name: str) -> Method:
+    """One RPC (``name``: ``/package.Service/Method``) as a server span under the trace context
+    the client sent in its metadata, with the error tree mapped to status codes, as http.py maps
+    it to statuses. A server-streaming RPC writes its messages itself (``context.write``) and
+    returns None: its span covers the whole stream."""
 
-    async def call(request: Any, context: Any) -> Message:
-        try:
-            return await fn(request, context)
-        except TinsmithError as error:
-            if error.http_status >= 500:
-                log.error("gRPC %s failed: %s", fn.__name__, error.detail)
-            await context.abort(grpc.StatusCode[error.grpc_code], error.detail)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the deadline passed before the result was ready; the request stays queued, "
-                "and the same call with the same seq_id gets its result",
-            )
-        except Exception:
-            log.exception("gRPC %s failed", fn.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the gateway log")
-        raise AssertionError("unreachable: context.abort raises")
+    async def call(request: Any, context: Any) -> Message | None:
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        attributes = {"rpc.system": "grpc", "rpc.method": name}
+        with telemetry.serve_call("grpc", name, metadata, attributes) as traced:
+            try:
+                response, code, detail = await _answer(fn, request, context)
+            except asyncio.CancelledError:  # the call ended under it: the client went away
+                expired = _expired(context)
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                _status(traced, code, "the call ended before its answer")
+                raise
+            _status(traced, code, detail)
+            if code is not grpc.StatusCode.OK:
+                await context.abort(code, detail)
+                raise AssertionError("unreachable: context.abort raises")
+            return response
 
     return call
+
+
+def _status(traced: telemetry.Call, code: grpc.StatusCode, detail: str) -> None:
+    traced.status = code.name
+    traced.span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        telemetry.record_error(traced.span, code.name.lower(), detail)
+
+
+async def _answer(
+    fn: Method, request: Any, context: Any
+) -> tuple[Message | None, grpc.StatusCode, str]:
+    """Run ``fn``: its response (None when it failed, or streamed), the status code and its
+    detail."""
+    try:
+        return await fn(request, context), grpc.StatusCode.OK, ""
+    except _DeadlinePassed as passed:
+        return None, grpc.StatusCode.DEADLINE_EXCEEDED, passed.detail
+    except TinsmithError as error:
+        if error.http_status >= 500:
+            log.error("gRPC %s failed: %s", fn.__name__, error.detail)
+        return None, grpc.StatusCode[error.grpc_code], error.detail
+    except TimeoutError:
+        return (
+            None,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "the deadline passed before the result was ready; the request stays queued, "
+            "and the same call with the same seq_id gets its result",
+        )
+    except Exception:
+        log.exception("gRPC %s failed", fn.__name__)
+        return None, grpc.StatusCode.INTERNAL, "internal error; see the gateway log"
 
 
 def _handlers(face: GrpcFace, service: str) -> Any:
@@ -246,8 +437,13 @@ def _handlers(face: GrpcFace, service: str) -> Any:
     handlers = {}
     for method in descriptor.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _method(getattr(face, method.name)),
+        kind = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = kind(
+            _method(getattr(face, method.name), f"/{descriptor.full_name}/{method.name}"),
             request_deserializer=request_class.FromString,
             response_serializer=_serialize,
         )

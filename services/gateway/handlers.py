@@ -5,16 +5,20 @@ bad request fail at once with a clear 400/404 instead of inside a future, and th
 (``retrieve_future`` long-polls the projection of the log). Does not own: HTTP (http.py), the
 JSON/proto shapes of requests (wire.py) or any compute.
 
-The gateway holds no state that the log cannot rebuild, so any number of replicas can run.
+The gateway holds no state that the log cannot rebuild, so any number of replicas can run. The
+one exception is in flight only: the tokens of a streamed sample request come from the sampler
+to the gateway replica that accepted it (``stream_id``), for the call that waits there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from tinsmith import artifacts, events, jobs, losses, models, subjects
+from tinsmith import artifacts, events, jobs, losses, models, subjects, telemetry
 from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -41,6 +45,10 @@ class Gateway:
         self.config = config
         self.log = eventlog
         self.projection = FollowedProjection(eventlog)
+        # This replica, as streamed sample requests name it (bus.Sample.stream_to), and the
+        # calls waiting for each such request's tokens.
+        self.stream_id = uuid.uuid4().hex
+        self._watchers: dict[str, list[asyncio.Queue[bus.SampleProgress]]] = {}
 
     @property
     def state(self) -> jobs.Projection:
@@ -48,6 +56,17 @@ class Gateway:
 
     async def start(self) -> None:
         await self.projection.start()
+        await self.log.bus.listen(subjects.sample_stream_subject(self.stream_id), self._progress)
+        telemetry.observe(
+            "tinsmith.queue.depth",
+            lambda: {
+                (("tinsmith.queue", "sampler"),): float(self.state.pending_samples),
+                (("tinsmith.queue", "trainer"),): float(self.state.pending_training),
+            },
+            unit="{request}",
+            description="Requests accepted into the log and not yet settled, by the queue that "
+            "holds them (as the gateway's view of the log has it)",
+        )
 
     # -- bootstrap and sessions ----------------------------------------------------------------
 
@@ -342,11 +361,16 @@ class Gateway:
             "model_path": sampler.model_path or None,
         }
 
-    async def asample(self, body: JsonDict) -> JsonDict:
+    async def asample(self, body: JsonDict, *, stream: bool = False) -> JsonDict:
+        """Accept a sample request. With ``stream``, the sampler sends its tokens to this replica
+        as they are generated (for ``watch``); a repeat of a request accepted before keeps how
+        that one was accepted."""
         sampler = self._sampler(wire.req_str(body, "sampling_session_id"))
         seq_id = wire.req_int(body, "seq_id", minimum=0)
         request_id = events.request_id(sampler.sampler_id, seq_id)
         command = self._sample_command(sampler, body)
+        if stream:
+            command.stream_to = self.stream_id
         sequence_ids = [f"{request_id}:{i}" for i in range(command.num_samples)]
         if request_id not in self.state.requests:
             queued = self.state.pending_samples
@@ -404,11 +428,47 @@ class Gateway:
             command.prompt_logprobs_last_n = wire.req_int(body, "prompt_logprobs_last_n", minimum=0)
         return command
 
+    @contextlib.contextmanager
+    def watch(self, request_id: str) -> Iterator[asyncio.Queue[bus.SampleProgress]]:
+        """The tokens of a streamed request as they reach this replica, in order. Watch before
+        accepting it (``asample(..., stream=True)``), so none is missed; none comes for a request
+        accepted without ``stream`` or by another replica."""
+        queue: asyncio.Queue[bus.SampleProgress] = asyncio.Queue()
+        self._watchers.setdefault(request_id, []).append(queue)
+        try:
+            yield queue
+        finally:
+            watchers = self._watchers[request_id]
+            watchers.remove(queue)
+            if not watchers:
+                del self._watchers[request_id]
+
+    async def _progress(self, data: bytes) -> None:
+        progress = bus.SampleProgress.FromString(data)
+        for queue in self._watchers.get(progress.request_id, ()):
+            queue.put_nowait(progress)
+
+    async def cancel_sample(self, request_id: str, detail: str) -> None:
+        """Cancel a pending sample request whose caller went away: its future fails as
+        cancelled, and the samplers drop its work (or skip it when they fetch it). Training
+        requests are not cancelled: a run's requests execute in seq_id order."""
+        request = self.state.requests.get(request_id)
+        if request is None:
+            await self.projection.catch_up()  # accepted a moment ago, maybe by another replica
+            request = self.state.requests.get(request_id)
+        if request is None or request.command != "sample":
+            return
+        if request.status is jobs.Status.PENDING:
+            await self.log.cancel(
+                request_id, request.aggregate_id, detail, request_aggregate="sampler"
+            )
+
     # -- futures -------------------------------------------------------------------------------
 
     async def retrieve_future(self, body: JsonDict) -> tuple[bytes | JsonDict, str]:
         """Long-poll one future: its result as ``(body, media type)``, a failure, or try_again."""
         request_id = wire.req_str(body, "request_id")
+        telemetry.annotate({"tinsmith.request_id": request_id})
         request = await self._settled(request_id, self.config.long_poll_s)
         if request.status is jobs.Status.PENDING:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}, ""
@@ -421,6 +481,7 @@ class Gateway:
         """Wait for one future (the gRPC face): its result as ``(body, media type)``; a failed
         request raises its error, and one still pending after ``timeout_s`` raises
         ``TimeoutError`` (it stays queued: asking again later gets its result)."""
+        telemetry.annotate({"tinsmith.request_id": request_id})
         request = await self._settled(request_id, timeout_s)
         if request.status is jobs.Status.PENDING:
             raise TimeoutError(f"request {request_id} is still pending")
@@ -516,11 +577,18 @@ class Gateway:
 
     async def _accept(self, accepted: bus.RequestAccepted, aggregate: str = "run") -> JsonDict:
         """Answer with a future only once the request is durable in the log."""
-        seq, duplicate = await self.log.append(
-            events.make(request_accepted=accepted),
-            msg_id=accepted.request_id,
-            request_aggregate=aggregate,
+        telemetry.annotate(
+            {
+                "tinsmith.op": events.command_of(accepted),
+                "tinsmith.aggregate_id": accepted.aggregate_id,
+            }
         )
+        with telemetry.request_scope(accepted.request_id):
+            seq, duplicate = await self.log.append(
+                events.make(request_accepted=accepted),
+                msg_id=accepted.request_id,
+                request_aggregate=aggregate,
+            )
         if not duplicate:
             await self.projection.wait_for(seq)
         else:

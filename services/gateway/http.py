@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tinsmith import telemetry
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 
 from .handlers import Gateway
@@ -22,6 +23,24 @@ log = logging.getLogger(__name__)
 
 API = "/api/v1"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Each call is a server span (under the client's ``traceparent``, if it sent one), named by
+    its route, and a sample of ``tinsmith.request.duration``."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    attributes = {"http.request.method": request.method, "http.route": route}
+    with telemetry.serve_call("http", f"{request.method} {route}", request.headers, attributes) as (
+        call
+    ):
+        response = await handler(request)
+        call.status = str(response.status)
+        call.span.set_attribute("http.response.status_code", response.status)
+        if response.status >= 500:
+            telemetry.record_error(call.span, "internal", f"answered {response.status}")
+        return response
 
 
 @web.middleware
@@ -46,7 +65,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[traced, errors], client_max_size=64 * 1024 * 1024)
 
     def post(path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any]) -> None:
         async def route(request: web.Request) -> web.StreamResponse:

@@ -9,6 +9,11 @@ where vLLM is installed). One contract suite (tests/sampler/test_contract.py) ru
 All engine methods run on the process's one compute thread (tinsmith.compute), never
 concurrently with each other.
 
+Streaming: a request whose command sets ``stream_to`` reports its tokens as they are generated:
+``progress`` returns what each such request's sequences gained since the previous call. An
+engine tracks nothing of the kind for the other requests, so a batch without streamed requests
+pays nothing for it.
+
 Owns: the interface, and the pieces of the Tinker sampling semantics that do not depend on the
 engine: stop rules, top-k packing, the prompt-logprob window. Does not own: fetching adapters or
 work (handlers.py).
@@ -19,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,6 +48,18 @@ TOPK_EMPTY_LOGPROB = -99999.0
 DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class Delta:
+    """Tokens one sequence of a streamed request gained: ``offset`` is the position of the
+    first of them in the sequence."""
+
+    ticket: int
+    index: int
+    offset: int
+    tokens: list[int]
+    logprobs: list[float]
+
+
 class AdapterMissing(NotFound):
     """``add`` was given a request whose adapter the engine does not hold: fetch it and pass its
     directory to ``add``."""
@@ -57,6 +75,13 @@ class Engine(Protocol):
     def has_adapter(self, base_model: str, key: str) -> bool:
         """Whether the adapter at object-store ``key`` is loaded for ``base_model``."""
 
+    def loaded(self) -> dict[str, int]:
+        """Each loaded base model, with how many adapters are loaded on it. Read from other
+        threads (the metrics), so it only copies plain state."""
+
+    def device(self) -> str:
+        """Where the models compute (``cpu``, ``cuda:0``)."""
+
     def add(self, ticket: int, command: bus.Sample, adapter_dir: Path | None = None) -> None:
         """Queue a request; it joins the running batch at the next ``step``. ``adapter_dir`` holds
         its adapter (PEFT format) when the engine does not have it yet: loading and queueing are
@@ -67,11 +92,16 @@ class Engine(Protocol):
         """Advance all work by one token; return the tickets that finished, each with its
         serialized ``SampleResponse`` or the exception that failed it alone."""
 
+    def progress(self) -> list[Delta]:
+        """The tokens the streamed requests (``command.stream_to``) generated since the previous
+        call, each finished request's last ones included; ``[]`` at once when none streams."""
+
     def has_work(self) -> bool:
         """Whether anything is queued or running."""
 
     def cancel(self, ticket: int) -> None:
-        """Drop a queued or running request (its outcome is never returned)."""
+        """Drop a queued or running request (its outcome is never returned); a ticket the
+        engine does not hold is ignored."""
 
 
 def make_engine(config: SamplerConfig) -> Engine:

@@ -8,8 +8,18 @@ its outcome is durable, so one bad request fails alone and a replica that dies l
 it held is delivered to another once its ack deadline passes (a replica that stops cleanly hands
 its requests back at once).
 
-Owns: taking work, fetching adapters, driving the engine's steps, acking. Does not own: the
-sampling itself (the engines).
+Cancellation: every replica follows the log's RequestCancelled events (subjects.SAMPLES_CANCELLED,
+an ordered consumer of its own, replayed from the start, so a replica started later knows the
+earlier ones too). A replica that holds the request drops it from the engine and acks it without
+recording anything (the cancellation is its outcome); one that fetches it later skips it. It
+remembers the last ``_CANCELLED_REMEMBERED`` cancellations: an older one fetched later runs, and
+its outcome is ignored (the first outcome recorded wins).
+
+Streaming: a request whose command names a gateway (``stream_to``) has each step's new tokens
+published to that gateway on core NATS, fire-and-forget; the others cost nothing extra.
+
+Owns: taking work, fetching adapters, driving the engine's steps, acking, dropping cancelled
+work, publishing streamed tokens. Does not own: the sampling itself (the engines).
 """
 
 from __future__ import annotations
@@ -19,21 +29,33 @@ import contextlib
 import itertools
 import logging
 import tempfile
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tinsmith import events, subjects
+import numpy as np
+from opentelemetry.trace import SpanKind
+
+from services import gpu
+from tinsmith import artifacts, events, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import service_pb2 as svc
+from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus, Delivery
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import PROTOBUF, EventLog
-from tinsmith.failures import NotFound
+from tinsmith.failures import Cancelled, NotFound
+from tinsmith.tensors import tokens_from_bytes
 
 from .config import SamplerConfig
-from .engine import AdapterMissing, Engine
+from .engine import AdapterMissing, Delta, Engine
 
 log = logging.getLogger(__name__)
+
+# How many cancelled request ids a replica remembers, to skip such requests when it fetches them.
+_CANCELLED_REMEMBERED = 65536
 
 
 @dataclass
@@ -43,6 +65,27 @@ class _Held:
     outcome: asyncio.Future[bytes | Exception] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    # Its life in the engine (unix ns), for its spans: given to the engine, first step done
+    # (its prefill merged into the running batch), last step done.
+    admitted_ns: int = 0
+    joined_ns: int = 0
+    finished_ns: int = 0
+    steps: int = 0
+    batch_requests: int = 0  # the most requests that shared a step with it
+    batch_sequences: int = 0  # the most sequences that did
+    gpu_ms: float = 0.0  # GPU time of the steps it took part in (shared with the batch)
+    stream: str = ""  # where its tokens go as they are generated (a streaming call's gateway)
+    cancelled: str = ""  # why it was cancelled, once it is
+
+
+@dataclass(frozen=True)
+class _Step:
+    finished: list[tuple[int, bytes | Exception]]
+    busy: bool
+    started_ns: int
+    ended_ns: int
+    gpu_ms: float
+    progress: list[Delta] = field(default_factory=list)  # tokens of the streamed requests
 
 
 class Sampler:
@@ -52,16 +95,36 @@ class Sampler:
         self.engine = engine
         self.blobs = blobs
         self.config = config
-        self.compute = ComputeThread("sampler-compute", engine.init_compute_thread)
+        self.compute = ComputeThread(
+            "sampler-compute",
+            engine.init_compute_thread,
+            device=engine.device,
+            gpu_clock=gpu.cuda_clock(),
+        )
         self._held: dict[int, _Held] = {}
         self._tickets = itertools.count()
         self._work = asyncio.Event()  # set when the engine was given something
         self._room = asyncio.Event()  # set when a held request was let go
         self._stopping = False
+        self._cancelled: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
 
     async def start(self) -> None:
+        telemetry.observe_models(self.engine.loaded)
+        gpu.observe_memory()
+        telemetry.observe(
+            "tinsmith.queue.depth",
+            lambda: {(("tinsmith.queue", "sampler.local"),): float(len(self._held))},
+            unit="{request}",
+            description="Sample requests this replica holds (waiting for their adapter or "
+            "decoding)",
+        )
         self.bus.spawn(self._drive())
         self.bus.spawn(self._keep_alive())
+        # Before taking work, so that the cancellations logged so far are mostly known when it
+        # comes (one that arrives after its request is handled the same way, a moment later).
+        await self.bus.follow(
+            subjects.EVENTS_STREAM, subjects.SAMPLES_CANCELLED, self._on_cancelled
+        )
         await self.bus.consume(
             subjects.EVENTS_STREAM,
             subjects.SAMPLER_CONSUMER,
@@ -95,36 +158,85 @@ class Sampler:
                 else:
                     await delivery.ack()
                 continue
+            accepted = event.request_accepted
+            if accepted.request_id in self._cancelled:
+                log.info("skipped request %s: it was cancelled", accepted.request_id)
+                await delivery.ack()
+                continue
             ticket = next(self._tickets)
-            self._held[ticket] = _Held(delivery, event.request_accepted)
+            stream_to = accepted.sample.stream_to
+            stream = subjects.sample_stream_subject(stream_to) if stream_to else ""
+            self._held[ticket] = _Held(delivery, accepted, stream=stream)
             self.bus.spawn(self._serve(ticket))
 
+    async def _on_cancelled(self, seq: int, data: bytes) -> None:
+        """A sample request was cancelled: remember it, and drop it if this replica holds it."""
+        event = events.decode(data)
+        if events.kind_of(event) != "request_cancelled":
+            return
+        request_id = event.request_cancelled.request_id
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > _CANCELLED_REMEMBERED:
+            self._cancelled.popitem(last=False)
+        for ticket, held in list(self._held.items()):
+            if held.accepted.request_id == request_id and not held.cancelled:
+                await self._drop(ticket, held, event.request_cancelled.detail, event.time)
+
+    async def _drop(self, ticket: int, held: _Held, detail: str, cancelled_at: float) -> None:
+        """Let go of a held request: it is answered (``Cancelled`` ends its ``_serve`` without
+        recording anything), and the engine forgets it before its next step."""
+        if held.outcome.done():
+            return  # it finished first; the first outcome recorded wins
+        held.cancelled = detail or "cancelled"
+        held.outcome.set_result(Cancelled(held.cancelled))
+        if held.admitted_ns:  # otherwise _admit cancels it once the engine has it
+            await self.compute.run(self.engine.cancel, ticket)
+        log.info(
+            "dropped request %s %.1f ms after its cancellation, after %d steps",
+            held.accepted.request_id,
+            (time.time() - cancelled_at) * 1e3,
+            held.steps,
+        )
+
     async def _serve(self, ticket: int) -> None:
-        """One request from admission to ack. Its compute time is from admission to its last
-        token: it shared the engine with others all along."""
+        """One request from admission to ack, in the trace that accepted it. Its compute time
+        is from admission to its last token: it shared the engine with others all along."""
         held = self._held[ticket]
+        accepted = held.accepted
+        telemetry.queue_wait("sample", held.delivery.published_ns, held.delivery.trace)
 
         async def work() -> tuple[bytes, str]:
-            await self._admit(ticket, held.accepted.sample)
+            await self._admit(ticket, held)
             outcome = await held.outcome
+            self._trace_sampling(held, outcome)
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome, PROTOBUF
 
         try:
-            await self.log.settle(
-                held.accepted, work, request_aggregate="sampler", worker="sampler"
-            )
+            with (
+                telemetry.tracer.start_as_current_span(
+                    "sampler sample",
+                    context=held.delivery.trace,
+                    kind=SpanKind.CONSUMER,
+                    attributes=_attributes(accepted),
+                ),
+                telemetry.request_scope(accepted.request_id),
+            ):
+                await self.log.settle(accepted, work, request_aggregate="sampler", worker="sampler")
             await held.delivery.ack()
         finally:
             del self._held[ticket]
             self._room.set()
 
-    async def _admit(self, ticket: int, command: bus.Sample) -> None:
+    async def _admit(self, ticket: int, held: _Held) -> None:
         """Give the engine the request, with its adapter from the object store if the engine
         does not hold it."""
+        command = held.accepted.sample
+        if held.cancelled:
+            raise Cancelled(held.cancelled)
         try:
-            await self.compute.run(self.engine.add, ticket, command)
+            held.admitted_ns = await self.compute.run(self._add, ticket, command)
         except AdapterMissing:
             with tempfile.TemporaryDirectory(prefix="tinsmith-adapter-") as tmp:
                 try:
@@ -133,12 +245,66 @@ class Sampler:
                     raise NotFound(
                         f"the adapter weights at {command.adapter_key!r} are gone: {exc}"
                     ) from exc
-                await self.compute.run(self.engine.add, ticket, command, Path(tmp))
+                held.admitted_ns = await self.compute.traced(
+                    "load_adapter",
+                    _attributes(held.accepted),
+                    self._add,
+                    ticket,
+                    command,
+                    Path(tmp),
+                )
+        if held.cancelled:  # while it was being added: the engine had not got it yet
+            await self.compute.run(self.engine.cancel, ticket)
+            return
         self._work.set()
 
-    def _step(self) -> tuple[list[tuple[int, bytes | Exception]], bool]:
+    def _add(self, ticket: int, command: bus.Sample, adapter_dir: Path | None = None) -> int:
+        """``engine.add`` on the compute thread; returns when it was done (unix ns), which
+        tells the steps that include the request from those that ran before it joined."""
+        self.engine.add(ticket, command, adapter_dir)
+        return time.time_ns()
+
+    def _trace_sampling(self, held: _Held, outcome: bytes | Exception) -> None:
+        """The spans of a request's time in the engine, now that its outcome is known: batch
+        formation (until the step that prefilled it into the running batch ended) and compute
+        (until its last token), with its tokens and the batch it shared; and the token counts."""
+        command = held.accepted.sample
+        generated = 0
+        if isinstance(outcome, bytes):
+            response = tp.SampleResponse.FromString(outcome)
+            generated = sum(len(tokens_from_bytes(s.tokens)) for s in response.sequences)
+        attributes = _attributes(held.accepted)
+        end = held.finished_ns or time.time_ns()
+        joined = held.joined_ns or end
+        telemetry.finished_span("batch_formation", held.admitted_ns, joined, attributes)
+        compute: dict[str, str | int | float] = {
+            **attributes,
+            "tinsmith.op": "sample",
+            "tinsmith.device": self.engine.device(),
+            "tinsmith.tokens": len(command.prompt) + generated,
+            "tinsmith.tokens.prompt": len(command.prompt),
+            "tinsmith.tokens.generated": generated,
+            "tinsmith.batch_size": held.batch_requests,
+            "tinsmith.batch_sequences": held.batch_sequences,
+            "tinsmith.steps": held.steps,
+        }
+        if self.compute.gpu_clock is not None and held.gpu_ms:
+            compute["tinsmith.gpu_time_ms"] = held.gpu_ms
+        telemetry.finished_span("compute", held.admitted_ns, end, compute)
+        counted = {"tinsmith.service": "sampler"}
+        telemetry.TOKENS.add(len(command.prompt), {**counted, "tinsmith.tokens": "prompt"})
+        telemetry.TOKENS.add(generated, {**counted, "tinsmith.tokens": "generated"})
+
+    def _step(self) -> _Step:
+        started = time.time_ns()
+        on_gpu = telemetry.tracing() and self.engine.device().startswith("cuda")
+        clock = self.compute.gpu_clock if on_gpu else None
+        mark = clock.start() if clock is not None else None
         finished = self.engine.step()
-        return finished, self.engine.has_work()
+        gpu_ms = clock.elapsed_ms(mark) if clock is not None else 0.0
+        ended = time.time_ns()
+        progress = self.engine.progress()
+        return _Step(finished, self.engine.has_work(), started, ended, gpu_ms, progress)
 
     async def _drive(self) -> None:
         """Step the engine while it has work; requests admitted meanwhile join at the next step
@@ -149,14 +315,57 @@ class Sampler:
             busy = True
             while busy:
                 try:
-                    finished, busy = await self.compute.run(self._step)
+                    step = await self.compute.run(self._step)
                 except Exception as exc:  # a bug in the engine: fail what it holds, keep serving
                     log.exception("a sampling step failed")
-                    finished, busy = [(t, exc) for t in self._held], False
-                for ticket, outcome in finished:
+                    failed: list[tuple[int, bytes | Exception]] = [(t, exc) for t in self._held]
+                    step = _Step(failed, False, time.time_ns(), time.time_ns(), 0.0)
+                self._account(step)
+                if step.progress:
+                    await self._publish(step.progress)
+                busy = step.busy
+                for ticket, outcome in step.finished:
                     held = self._held.get(ticket)
                     if held is not None and not held.outcome.done():
                         held.outcome.set_result(outcome)
+
+    def _account(self, step: _Step) -> None:
+        """Note the step in the life of each request it advanced."""
+        done = {ticket for ticket, _ in step.finished}
+        running = [
+            (ticket, held)
+            for ticket, held in self._held.items()
+            if 0 < held.admitted_ns <= step.started_ns and not held.outcome.done()
+        ]
+        sequences = sum(max(1, held.accepted.sample.num_samples) for _, held in running)
+        for ticket, held in running:
+            held.steps += 1
+            held.batch_requests = max(held.batch_requests, len(running))
+            held.batch_sequences = max(held.batch_sequences, sequences)
+            held.gpu_ms += step.gpu_ms
+            held.joined_ns = held.joined_ns or step.ended_ns
+            if ticket in done:
+                held.finished_ns = step.ended_ns
+
+    async def _publish(self, progress: list[Delta]) -> None:
+        """Send each streamed request's new tokens to the gateway that relays them (core NATS:
+        one lost is filled in from the stored result)."""
+        by_ticket: dict[int, list[svc.SampleDelta]] = {}
+        for delta in progress:
+            by_ticket.setdefault(delta.ticket, []).append(
+                svc.SampleDelta(
+                    index=delta.index,
+                    offset=delta.offset,
+                    tokens=np.asarray(delta.tokens, "<i4").tobytes(),
+                    logprobs=np.asarray(delta.logprobs, "<f4").tobytes(),
+                )
+            )
+        for ticket, deltas in by_ticket.items():
+            held = self._held.get(ticket)
+            if held is None or not held.stream or held.cancelled:
+                continue
+            message = bus.SampleProgress(request_id=held.accepted.request_id, deltas=deltas)
+            await self.bus.notify(held.stream, message.SerializeToString())
 
     async def _keep_alive(self) -> None:
         """Tell JetStream that the requests this replica holds are in progress, so none is
@@ -168,3 +377,16 @@ class Sampler:
                     await held.delivery.in_progress()
                 except Exception:
                     log.warning("could not extend the ack deadline of %d", held.delivery.stream_seq)
+
+
+def _attributes(accepted: bus.RequestAccepted) -> dict[str, str | int]:
+    """What a span of a sample request carries: its sampler, the run whose weights it samples
+    (none for a base model), the base model and the adapter."""
+    command = accepted.sample
+    return {
+        "tinsmith.sampler_id": accepted.aggregate_id,
+        "tinsmith.model_id": artifacts.run_of_key(command.adapter_key),
+        "tinsmith.base_model": command.base_model,
+        "tinsmith.adapter": command.adapter_key,
+        "tinsmith.num_samples": command.num_samples,
+    }

@@ -45,6 +45,7 @@ from tinsmith._proto import tinker_public_pb2 as tp
 from .engine import (
     DEFAULT_ADAPTER_CACHE_BYTES,
     AdapterMissing,
+    Delta,
     alt_tokens_message,
     check_command,
     empty_topk,
@@ -108,6 +109,7 @@ class _Sequence:
     topk_ids: list[np.ndarray] = field(default_factory=list)
     topk_logprobs: list[np.ndarray] = field(default_factory=list)
     stopped: bool = False
+    streamed: int = 0  # tokens ``progress`` reported so far (streamed requests only)
 
 
 @dataclass
@@ -138,6 +140,7 @@ class TorchEngine:
         self._waiting: list[_Request] = []
         self._batches: dict[str, _Batch] = {}
         self._requests: dict[int, _Request] = {}
+        self._streamed: dict[int, _Request] = {}  # the requests that report their progress
 
     def init_compute_thread(self) -> None:
         torch.set_num_threads(self.threads)
@@ -166,6 +169,14 @@ class TorchEngine:
     def has_adapter(self, base_model: str, key: str) -> bool:
         base = self.bases.get(base_model)
         return base is not None and key in base.adapters
+
+    def loaded(self) -> dict[str, int]:
+        return {name: len(base.adapters) for name, base in list(self.bases.items())}
+
+    def device(self) -> str:
+        for base in list(self.bases.values()):
+            return str(next(base.model.parameters()).device)
+        return "cpu"
 
     def adapter_bytes(self, base_model: str) -> int:
         base = self.bases.get(base_model)
@@ -223,11 +234,29 @@ class TorchEngine:
         request = _Request(ticket, command, base, adapter, stop_ids, stop_strs, seed)
         self._requests[ticket] = request
         self._waiting.append(request)
+        if command.stream_to:
+            self._streamed[ticket] = request
 
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def progress(self) -> list[Delta]:
+        if not self._streamed:
+            return []
+        deltas = []
+        for ticket, request in list(self._streamed.items()):
+            for index, row in enumerate(request.sequences):
+                if len(row.tokens) > row.streamed:
+                    start, row.streamed = row.streamed, len(row.tokens)
+                    deltas.append(
+                        Delta(ticket, index, start, row.tokens[start:], row.logprobs[start:])
+                    )
+            if ticket not in self._requests:  # finished: these were its last tokens
+                del self._streamed[ticket]
+        return deltas
+
     def cancel(self, ticket: int) -> None:
+        self._streamed.pop(ticket, None)
         request = self._requests.get(ticket)
         if request is None:
             return

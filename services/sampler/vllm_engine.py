@@ -13,7 +13,10 @@ The Tinker semantics are mapped onto vLLM's, so that the contract suite holds fo
   top-p, like the trainer's forward;
 - ``prompt_logprobs_last_n`` is vLLM's ``prompt_logprob_start``; ``target_prompt_logprobs`` is its
   ``prompt_logprob_token_ids``;
-- seeds are per request; vLLM seeds sequence i of a request with ``seed + i``.
+- seeds are per request; vLLM seeds sequence i of a request with ``seed + i``;
+- a streamed request (``stream_to``) asks vLLM for cumulative outputs at every step instead of
+  the final one only; with ``n > 1`` each output then holds only the sequences that advanced, so
+  the engine keeps each sequence's latest and answers from those.
 
 ``prompt_alt_tokens_k`` has no vLLM counterpart and is refused with a clear error.
 
@@ -61,6 +64,7 @@ from tinsmith.limits import MAX_TOPK_LOGPROBS
 from .engine import (
     DEFAULT_ADAPTER_CACHE_BYTES,
     AdapterMissing,
+    Delta,
     check_command,
     empty_topk,
     eos_ids_of,
@@ -109,6 +113,10 @@ class _Request:
     # LoRA logits path when a step holds more than one request (an einsum shape error).
     alone: bool
     started: bool = False
+    # Streamed requests only: each sequence's latest cumulative output, and how many of its
+    # tokens ``progress`` reported.
+    completions: dict[int, Any] = field(default_factory=dict)
+    streamed: dict[int, int] = field(default_factory=dict)
 
 
 class VllmEngine:
@@ -124,6 +132,7 @@ class VllmEngine:
         self.adapter_cache_bytes = adapter_cache_bytes
         self.bases: dict[str, _Base] = {}
         self._requests: dict[str, _Request] = {}
+        self._streamed: dict[str, _Request] = {}  # the requests that report their progress
         # Adapters as vLLM reads them, this process's own, removed when it ends.
         cache_dir.mkdir(parents=True, exist_ok=True)
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="vllm-adapters-", dir=cache_dir))
@@ -208,6 +217,12 @@ class VllmEngine:
         base = self.bases.get(base_model)
         return base is not None and key in base.adapters
 
+    def loaded(self) -> dict[str, int]:
+        return {name: len(base.adapters) for name, base in list(self.bases.items())}
+
+    def device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def _load_adapter(self, base: _Base, key: str, directory: Path) -> None:
         # A name and path of its own for every load: vLLM's prefix cache is keyed on them, not
         # on the weights, so an adapter loaded again after eviction must not meet old entries.
@@ -276,6 +291,8 @@ class VllmEngine:
         alone = lm_head and (command.prompt_logprobs or command.topk_prompt_logprobs > 0)
         request = _Request(ticket, command, base, command.adapter_key, lora, alone)
         self._requests[str(ticket)] = request  # started by the next step, in arrival order
+        if command.stream_to:
+            self._streamed[str(ticket)] = request
 
     def _start(self, request: _Request) -> Exception | None:
         try:
@@ -318,7 +335,28 @@ class VllmEngine:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def progress(self) -> list[Delta]:
+        if not self._streamed:
+            return []
+        deltas = []
+        for key, request in list(self._streamed.items()):
+            for index, completion in sorted(request.completions.items()):
+                tokens = list(completion.token_ids)
+                start = request.streamed.get(index, 0)
+                if len(tokens) > start:
+                    request.streamed[index] = len(tokens)
+                    steps = list(completion.logprobs)[start : len(tokens)]
+                    logprobs = [
+                        step[token].logprob
+                        for step, token in zip(steps, tokens[start:], strict=True)
+                    ]
+                    deltas.append(Delta(request.ticket, index, start, tokens[start:], logprobs))
+            if key not in self._requests:  # finished: these were its last tokens
+                del self._streamed[key]
+        return deltas
+
     def cancel(self, ticket: int) -> None:
+        self._streamed.pop(str(ticket), None)
         request = self._requests.pop(str(ticket), None)
         if request is not None and request.started:
             request.base.engine.abort_request([str(ticket)])
@@ -336,6 +374,12 @@ class VllmEngine:
                         finished.append((request.ticket, InternalError("vLLM lost the request")))
                 continue
             for output in engine.step():
+                streamed = self._streamed.get(output.request_id)
+                if streamed is not None:
+                    for completion in output.outputs:
+                        streamed.completions[completion.index] = completion
+                    if output.finished:  # it holds the sequences that ended last only
+                        output.outputs = [c for _, c in sorted(streamed.completions.items())]
                 if not output.finished:
                     continue
                 done = self._requests.pop(output.request_id, None)
@@ -378,7 +422,10 @@ def _sampling_params(command: bus.Sample, eos_ids: frozenset[int]) -> SamplingPa
         logprobs=command.topk_sample_logprobs,
         skip_special_tokens=False,
         spaces_between_special_tokens=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,  # one output, with all n sequences
+        # One output, with all n sequences; a streamed request's tokens at every step instead.
+        output_kind=RequestOutputKind.CUMULATIVE
+        if command.stream_to
+        else RequestOutputKind.FINAL_ONLY,
         **options,
     )
 

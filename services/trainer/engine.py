@@ -61,6 +61,21 @@ class TrainerEngine:
         """Run on the compute thread before any work: torch's thread count is per thread."""
         torch.set_num_threads(self.threads)
 
+    def device(self) -> str:
+        """Where the runs compute: the device of the base models' weights."""
+        held: list[torch.nn.Module] = [*self.bases.values(), *self._unwrapped.values()]
+        for model in held:
+            return str(next(model.parameters()).device)
+        return "cpu"
+
+    def loaded(self) -> dict[str, int]:
+        """Each loaded base model, with how many runs (adapters) are loaded on it. Read from
+        other threads (the metrics), so it only copies plain state."""
+        counts = dict.fromkeys([*self._unwrapped, *self.bases], 0)
+        for run in list(self.runs.values()):
+            counts[run.base_model] = counts.get(run.base_model, 0) + 1
+        return counts
+
     def load_base(self, name: str) -> None:
         """Load base model ``name`` now (the start-up preload), so its first run does not wait
         for it; the PEFT wrapping waits for that run's adapter."""

@@ -26,13 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from tinsmith import artifacts, events, subjects
+from opentelemetry.trace import SpanKind
+
+from services import gpu
+from tinsmith import artifacts, events, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus, Delivery
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
 from tinsmith.failures import NotFound, Unavailable
+from tinsmith.tensors import model_input_tokens
 
 from .engine import TrainerEngine
 
@@ -65,12 +69,29 @@ class Trainer:
         self.engine = engine
         self.blobs = blobs
         self.idle_unload_s = idle_unload_s
-        self.compute = ComputeThread("trainer-compute", engine.init_compute_thread)
+        self.compute = ComputeThread(
+            "trainer-compute",
+            engine.init_compute_thread,
+            device=engine.device,
+            gpu_clock=gpu.cuda_clock(),
+        )
         self.queues: dict[str, _RunQueue] = {}
         self.last_seen: dict[str, float] = {}  # session id -> monotonic time of last sign of life
         self._reaper_wake = asyncio.Event()
 
     async def start(self) -> None:
+        telemetry.observe_models(self.engine.loaded)
+        gpu.observe_memory()
+        telemetry.observe(
+            "tinsmith.queue.depth",
+            lambda: {
+                (("tinsmith.queue", "trainer.local"),): float(
+                    sum(len(q.pending) for q in list(self.queues.values()))
+                )
+            },
+            unit="{request}",
+            description="Requests this trainer holds, waiting for their run's turn",
+        )
         await self.projection.start()
         await self.bus.listen(subjects.SESSION_HEARTBEATS, self._on_heartbeat)
         await self.bus.consume(
@@ -141,9 +162,7 @@ class Trainer:
             while queue.next_seq in queue.pending:
                 work = queue.pending.pop(queue.next_seq)
                 if events.kind_of(work.event) == "request_accepted":
-                    if queue.snapshot_key:
-                        await self._restore(model_id, queue)
-                    await self._execute(work.event.request_accepted)
+                    await self._execute(work, queue)
                 await work.delivery.ack()
                 queue.next_seq += 1
         finally:
@@ -167,11 +186,37 @@ class Trainer:
             )
         await delivery.ack()
 
-    async def _execute(self, accepted: bus.RequestAccepted) -> None:
-        handler = getattr(self, f"_{events.command_of(accepted)}")
-        await self.log.settle(
-            accepted, lambda: handler(accepted), request_aggregate="run", worker="trainer"
-        )
+    async def _execute(self, work: _Work, queue: _RunQueue) -> None:
+        """Run one request, now that its turn has come (restoring its run first if it was
+        unloaded), in the trace that accepted it."""
+        accepted = work.event.request_accepted
+        command = events.command_of(accepted)
+        telemetry.queue_wait(command, work.delivery.published_ns, work.delivery.trace)
+        handler = getattr(self, f"_{command}")
+        with (
+            telemetry.tracer.start_as_current_span(
+                f"trainer {command}",
+                context=work.delivery.trace,
+                kind=SpanKind.CONSUMER,
+                attributes=self._attributes(accepted.aggregate_id, queue),
+            ),
+            telemetry.request_scope(accepted.request_id),
+        ):
+            if queue.snapshot_key:
+                await self._restore(accepted.aggregate_id, queue)
+            await self.log.settle(
+                accepted, lambda: handler(accepted), request_aggregate="run", worker="trainer"
+            )
+
+    def _attributes(self, model_id: str, queue: _RunQueue | None = None) -> dict[str, str | int]:
+        """What a span of this run's work carries: the run, its base model and its adapter."""
+        queue = queue or self.queues[model_id]
+        return {
+            "tinsmith.model_id": model_id,
+            "tinsmith.base_model": queue.create.base_model,
+            "tinsmith.adapter": model_id,
+            "tinsmith.lora_rank": queue.create.lora.rank,
+        }
 
     # -- idle runs -----------------------------------------------------------------------------
 
@@ -198,13 +243,19 @@ class Trainer:
     async def _unload(self, model_id: str, queue: _RunQueue) -> None:
         queue.busy = True  # requests that arrive meanwhile wait, then restore
         try:
-            key = artifacts.snapshot_key(model_id, queue.next_seq)
-            await self._export(model_id, key, with_optimizer=True, with_gradients=True)
-            await self.compute.run(self.engine.unload, model_id)
-            unloaded = bus.RunUnloaded(
-                model_id=model_id, snapshot_key=key, next_seq_id=queue.next_seq, create=queue.create
-            )
-            await self.log.append(events.make(run_unloaded=unloaded))
+            with telemetry.tracer.start_as_current_span(
+                "trainer unload_idle_run", attributes=self._attributes(model_id, queue)
+            ):
+                key = artifacts.snapshot_key(model_id, queue.next_seq)
+                await self._export(model_id, key, with_optimizer=True, with_gradients=True)
+                await self.compute.run(self.engine.unload, model_id)
+                unloaded = bus.RunUnloaded(
+                    model_id=model_id,
+                    snapshot_key=key,
+                    next_seq_id=queue.next_seq,
+                    create=queue.create,
+                )
+                await self.log.append(events.make(run_unloaded=unloaded))
             queue.snapshot_key = key
             log.info("unloaded idle run %s to %s", model_id, key)
         finally:
@@ -237,7 +288,9 @@ class Trainer:
                 command.load_key, self.engine.create_run, model_id, command
             )
         else:
-            tokenizer_id = await self.compute.run(self.engine.create_run, model_id, command)
+            tokenizer_id = await self.compute.traced(
+                "create_run", self._attributes(model_id), self.engine.create_run, model_id, command
+            )
         created = bus.RunCreated(
             model_id=model_id,
             session_id=command.session_id,
@@ -266,14 +319,27 @@ class Trainer:
         )
 
     async def _forward_backward(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
-        output = await self.compute.run(
-            self.engine.forward_backward, accepted.aggregate_id, accepted.forward_backward
+        request = accepted.forward_backward
+        tokens = sum(len(model_input_tokens(datum.model_input)) for datum in request.data)
+        op = "forward" if request.forward_only else "forward_backward"
+        attributes = {
+            **self._attributes(accepted.aggregate_id),
+            "tinsmith.batch_size": len(request.data),
+            "tinsmith.tokens": tokens,
+        }
+        output = await self.compute.traced(
+            op, attributes, self.engine.forward_backward, accepted.aggregate_id, request
         )
+        telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         return output, PROTOBUF
 
     async def _optim_step(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
-        metrics = await self.compute.run(
-            self.engine.optim_step, accepted.aggregate_id, accepted.optim_step.adam
+        metrics = await self.compute.traced(
+            "optim_step",
+            self._attributes(accepted.aggregate_id),
+            self.engine.optim_step,
+            accepted.aggregate_id,
+            accepted.optim_step.adam,
         )
         return _json({"type": "optim_step", "metrics": metrics})
 
@@ -326,7 +392,9 @@ class Trainer:
         self, model_id: str, key: str, *, with_optimizer: bool, with_gradients: bool = False
     ) -> tuple[dict[str, object], int]:
         with tempfile.TemporaryDirectory(prefix="tinsmith-save-") as tmp:
-            metadata = await self.compute.run(
+            metadata = await self.compute.traced(
+                "save",
+                self._attributes(model_id),
                 self.engine.export,
                 model_id,
                 Path(tmp),
@@ -345,7 +413,9 @@ class Trainer:
                 await self.blobs.get_dir(key, Path(tmp))
             except FileNotFoundError as exc:
                 raise NotFound(f"the checkpoint is gone from the object store: {exc}") from exc
-            return await self.compute.run(fn, model_id, *args, Path(tmp))
+            return await self.compute.traced(
+                "load", self._attributes(model_id), fn, model_id, *args, Path(tmp)
+            )
 
 
 def _json(value: object) -> tuple[bytes, str]:

@@ -105,6 +105,19 @@ def test_the_services_are_probed_on_the_health_endpoint_they_serve(overlay: str)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_scrapes_each_service_on_its_health_port(overlay: str) -> None:
+    objects = _objects(overlay)
+    port = config_map(objects)["data"][health.PORT_VARIABLE]
+    for name in SERVICES:
+        metadata = one(objects, "Deployment", name)["spec"]["template"]["metadata"]
+        assert metadata["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": port,
+            "prometheus.io/path": "/metrics",  # served by tinsmith/runtime.py on that port
+        }, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_services_select_pods_and_target_ports_that_exist(overlay: str) -> None:
     objects = _objects(overlay)
     pods = [(pod_spec(w), w["spec"]["template"]["metadata"]["labels"]) for w in workloads(objects)]

@@ -1,10 +1,13 @@
 """The gRPC face, driven by a client generated from proto/tinsmith/v1/service.proto: a full SFT
 step and a sample, the same numbers as the tinker SDK gets over HTTP on the same weights,
-reflection, health, the catalog, and the error tree's status codes."""
+reflection, health, the catalog, the error tree's status codes, a streamed sample, and sample
+calls that end early (deadline, client cancel) cancelling their work in the sampler."""
 
 from __future__ import annotations
 
 import json
+import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -286,3 +289,153 @@ def test_an_oversized_message_is_refused_with_a_clear_error(channel: grpc.Channe
         training.CreateSession(huge, timeout=30)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "larger than max" in refused.value.details()
+
+
+# -- streaming and cancellation ----------------------------------------------------------------
+
+# tinsmith/tiny generates a few hundred tokens a second here: this many take seconds, far longer
+# than the deadlines below.
+LONG = 1000
+
+
+@pytest.fixture(scope="module")
+def base_sampler(channel: grpc.Channel, trained: dict[str, object]) -> str:
+    created = stubs.SamplingStub(channel).CreateSamplingSession(
+        svc.CreateSamplingSessionRequest(
+            session_id=str(trained["session_id"]),
+            sampling_session_seq_id=2,
+            base_model="tinsmith/tiny",
+        ),
+        timeout=30,
+    )
+    return str(created.sampling_session_id)
+
+
+def _sample(sampler: str, seq_id: int, max_tokens: int, **fields: Any) -> svc.SampleRequest:
+    return svc.SampleRequest(
+        sampling_session_id=sampler,
+        seq_id=seq_id,
+        prompt=PROMPT,
+        sampling_params=tp.SamplingParams(
+            max_tokens=max_tokens, seed=11, temperature=1.0, stop_tokens=tp.StopTokens()
+        ),
+        **fields,
+    )
+
+
+def _sampler_metric(system: RunningSystem, name: str, label: str = "") -> float:
+    with urllib.request.urlopen(system.metrics["sampler"], timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.split("{")[0].split(" ")[0] == name and label in line
+    )
+
+
+def _sampler_lets_go(system: RunningSystem, within_s: float) -> float:
+    """Wait until the sampler holds no request; return how long that took. Then check that its
+    engine stays idle: a request it still decoded would keep its compute thread busy."""
+    started = time.monotonic()
+    while _sampler_metric(system, "tinsmith_queue_depth", "sampler.local") > 0:
+        assert time.monotonic() - started < within_s, "the sampler still holds the request"
+        time.sleep(0.05)
+    waited = time.monotonic() - started
+    busy = _sampler_metric(system, "tinsmith_compute_busy_seconds_total")
+    time.sleep(1.0)
+    assert _sampler_metric(system, "tinsmith_compute_busy_seconds_total") - busy < 0.2
+    return waited
+
+
+def _cancelled_future(sampling: stubs.SamplingStub, request: svc.SampleRequest) -> str:
+    """The request's outcome in the log, through a retry of the same seq_id: a cancelled one
+    answers CANCELLED at once (one still running would answer its tokens, seconds later)."""
+    with pytest.raises(grpc.RpcError) as again:
+        sampling.Sample(request, timeout=30)
+    assert again.value.code() == grpc.StatusCode.CANCELLED, again.value.details()
+    return str(again.value.details())
+
+
+def test_a_streamed_sample_sends_tokens_as_they_come_and_adds_up_to_the_sample(
+    channel: grpc.Channel, trained: dict[str, object]
+) -> None:
+    sampling = stubs.SamplingStub(channel)
+    sampler = sampling.CreateSamplingSession(
+        svc.CreateSamplingSessionRequest(
+            session_id=str(trained["session_id"]),
+            sampling_session_seq_id=3,
+            model_path=str(trained["sampler_path"]),
+        ),
+        timeout=30,
+    ).sampling_session_id
+    fields = {"num_samples": 2, "prompt_logprobs": True, "topk_sample_logprobs": 2}
+    whole = sampling.Sample(_sample(sampler, 0, 200, **fields), timeout=60)
+
+    arrivals, chunks = [], []
+    for chunk in sampling.SampleStream(_sample(sampler, 1, 200, **fields), timeout=60):
+        arrivals.append(time.monotonic())
+        chunks.append(chunk)
+    *streamed, last = chunks
+    assert last.HasField("response") and not any(c.HasField("response") for c in streamed)
+    assert len(streamed) > 10 and all(c.deltas for c in streamed)
+    # Sent as generated: the first tokens came well before the last (200 steps take a while).
+    assert arrivals[-1] - arrivals[0] > 0.2
+
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    logprobs: dict[int, list[float]] = {0: [], 1: []}
+    for chunk in chunks:
+        for delta in chunk.deltas:
+            assert delta.offset == len(tokens[delta.index])
+            tokens[delta.index] += np.frombuffer(delta.tokens, "<i4").tolist()
+            logprobs[delta.index] += np.frombuffer(delta.logprobs, "<f4").tolist()
+    # The same seed: the same tokens as the call that waited for the whole answer.
+    assert [tokens[0], tokens[1]] == [
+        np.frombuffer(s.tokens, "<i4").tolist() for s in whole.sequences
+    ]
+    for index, sequence in enumerate(whole.sequences):
+        np.testing.assert_allclose(
+            logprobs[index], np.frombuffer(sequence.logprobs, "<f4"), atol=1e-4
+        )
+    # Exactly the stored result, which a retry of the streamed request's seq_id answers.
+    stored = sampling.Sample(_sample(sampler, 1, 200, **fields), timeout=60)
+    for index, sequence in enumerate(stored.sequences):
+        assert tokens[index] == np.frombuffer(sequence.tokens, "<i4").tolist()
+        assert logprobs[index] == np.frombuffer(sequence.logprobs, "<f4").tolist()
+    # The rest of the answer comes last: stop reasons, top-k, prompt logprobs.
+    response = last.response
+    assert [s.stop_reason for s in response.sequences] == [tp.STOP_REASON_LENGTH] * 2
+    assert all(not s.tokens and not s.logprobs for s in response.sequences)
+    assert response.sequences[1].topk_sampled_logprobs == stored.sequences[1].topk_sampled_logprobs
+    assert response.prompt_logprobs == stored.prompt_logprobs
+
+
+def test_a_deadline_cancels_the_sample_and_frees_the_sampler(
+    channel: grpc.Channel, base_sampler: str, system: RunningSystem
+) -> None:
+    sampling = stubs.SamplingStub(channel)
+    request = _sample(base_sampler, 0, LONG)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as expired:
+        sampling.Sample(request, timeout=0.5)
+    assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 1.5
+
+    assert "deadline passed" in _cancelled_future(sampling, request)
+    _sampler_lets_go(system, within_s=2.0)
+    # A request after it is answered as usual.
+    answer = sampling.Sample(_sample(base_sampler, 1, 8), timeout=30)
+    assert len(answer.sequences[0].tokens) == 8 * 4
+
+
+def test_a_cancelled_stream_cancels_its_sample(
+    channel: grpc.Channel, base_sampler: str, system: RunningSystem
+) -> None:
+    sampling = stubs.SamplingStub(channel)
+    request = _sample(base_sampler, 2, LONG)
+    call = sampling.SampleStream(request, timeout=60)
+    first = next(call)
+    assert first.deltas and not first.HasField("response")
+    call.cancel()
+
+    assert "client cancelled" in _cancelled_future(sampling, request)
+    _sampler_lets_go(system, within_s=2.0)

@@ -492,3 +492,72 @@ def test_target_prompt_logprobs_score_the_named_ids(
     for (row, col), token in np.ndenumerate(ids):
         want = 0.0 if token < 0 else float(table[row, token])
         assert abs(values[row, col] - want) <= tolerance, (row, col)
+
+
+def test_a_streamed_request_reports_its_tokens_step_by_step(engine: Engine) -> None:
+    """``progress`` reports a streamed request's tokens (``stream_to``) as they come, and they
+    add up to exactly its answer, which streaming does not change; a request that does not
+    stream reports nothing."""
+    plain = _command(_prompt(160, 6), "adapter/a", n=2, seed=8, max_tokens=12, stop_tokens=[])
+    streamed = bus.Sample()
+    streamed.CopyFrom(plain)
+    streamed.stream_to = "gateway"
+    (alone,) = _run(engine, plain)
+    engine.add(0, streamed)
+    engine.add(1, plain)
+    outcomes: dict[int, bytes | Exception] = {}
+    got: dict[int, tuple[list[int], list[float]]] = {0: ([], []), 1: ([], [])}
+    steps_with_news = 0
+    while engine.has_work():
+        outcomes.update(engine.step())
+        deltas = engine.progress()
+        steps_with_news += bool(deltas)
+        for delta in deltas:
+            assert delta.ticket == 0
+            tokens, logprobs = got[delta.index]
+            assert delta.offset == len(tokens)
+            tokens.extend(delta.tokens)
+            logprobs.extend(delta.logprobs)
+    assert engine.progress() == []
+    assert steps_with_news >= 6  # step by step, not all at the end
+    for ticket in (0, 1):
+        body = outcomes[ticket]
+        assert isinstance(body, bytes)
+        response = tp.SampleResponse.FromString(body)
+        assert len(response.sequences) == 2
+        for index, (sequence, want) in enumerate(
+            zip(response.sequences, alone.sequences, strict=True)
+        ):
+            assert _tokens(sequence) == _tokens(want)
+            if ticket == 0:
+                assert got[index][0] == _tokens(sequence)
+                np.testing.assert_array_equal(np.asarray(got[index][1], "<f4"), _logprobs(sequence))
+
+
+def test_a_cancelled_request_leaves_the_engine(engine: Engine) -> None:
+    """Cancelling drops a running request at the next step and a queued one at once; it is
+    never answered, and the others go on unchanged."""
+    long = _command(_prompt(170, 5), "adapter/b", n=2, seed=1, max_tokens=200, stop_tokens=[])
+    long.stream_to = "gateway"
+    short = _command(_prompt(171, 5), "", seed=2, max_tokens=8, stop_tokens=[])
+    (alone,) = _run(engine, short)
+    engine.add(0, long)
+    engine.add(1, short)
+    outcomes: dict[int, bytes | Exception] = {}
+    for _ in range(3):
+        outcomes.update(engine.step())
+    engine.progress()
+    engine.add(2, _command(_prompt(172, 5), "adapter/a", seed=3, max_tokens=50))
+    engine.cancel(2)  # before it started
+    engine.cancel(0)  # while it runs
+    engine.cancel(99)  # never held: ignored
+    steps = 0
+    while engine.has_work():
+        outcomes.update(engine.step())
+        assert all(delta.ticket != 0 for delta in engine.progress())
+        steps += 1
+    assert sorted(outcomes) == [1]
+    assert steps <= 8  # the short one's remaining tokens, not the long one's 200
+    body = outcomes[1]
+    assert isinstance(body, bytes)
+    assert _tokens(tp.SampleResponse.FromString(body).sequences[0]) == _tokens(alone.sequences[0])

@@ -1,3 +1,4 @@
+from tinsmith._proto import service_pb2 as _service_pb2
 from tinsmith._proto import tinker_public_pb2 as _tinker_public_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -116,7 +117,7 @@ class SaveWeights(_message.Message):
     def __init__(self, kind: _Optional[_Union[CheckpointKind, str]] = ..., name: _Optional[str] = ..., sampler_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., blob_key: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k")
+    __slots__ = ("base_model", "adapter_key", "prompt", "params", "num_samples", "prompt_logprobs", "prompt_logprobs_last_n", "topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k", "stream_to")
     BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +129,7 @@ class Sample(_message.Message):
     TOPK_SAMPLE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_ALT_TOKENS_K_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TO_FIELD_NUMBER: _ClassVar[int]
     base_model: str
     adapter_key: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -139,7 +141,16 @@ class Sample(_message.Message):
     topk_sample_logprobs: int
     target_prompt_logprobs: _tinker_public_pb2.Tensor
     prompt_alt_tokens_k: int
-    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., target_prompt_logprobs: _Optional[_Union[_tinker_public_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens_k: _Optional[int] = ...) -> None: ...
+    stream_to: str
+    def __init__(self, base_model: _Optional[str] = ..., adapter_key: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_logprobs_last_n: _Optional[int] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ..., target_prompt_logprobs: _Optional[_Union[_tinker_public_pb2.Tensor, _Mapping]] = ..., prompt_alt_tokens_k: _Optional[int] = ..., stream_to: _Optional[str] = ...) -> None: ...
+
+class SampleProgress(_message.Message):
+    __slots__ = ("request_id", "deltas")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    deltas: _containers.RepeatedCompositeFieldContainer[_service_pb2.SampleDelta]
+    def __init__(self, request_id: _Optional[str] = ..., deltas: _Optional[_Iterable[_Union[_service_pb2.SampleDelta, _Mapping]]] = ...) -> None: ...
 
 class SessionCreated(_message.Message):
     __slots__ = ("session_id", "tags", "user_metadata", "project_id", "display_name", "sdk_version", "owner")
@@ -209,6 +220,16 @@ class RequestRejected(_message.Message):
     kind: str
     detail: str
     def __init__(self, aggregate_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class RequestCancelled(_message.Message):
+    __slots__ = ("request_id", "aggregate_id", "detail")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    aggregate_id: str
+    detail: str
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestCompleted(_message.Message):
     __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds", "replica")
@@ -327,7 +348,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +364,7 @@ class Event(_message.Message):
     CHECKPOINT_DELETED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_TTL_SET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -358,7 +380,8 @@ class Event(_message.Message):
     checkpoint_deleted: CheckpointDeleted
     checkpoint_published: CheckpointPublished
     checkpoint_ttl_set: CheckpointTtlSet
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ...) -> None: ...
+    request_cancelled: RequestCancelled
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ...) -> None: ...
 
 class ResolveCheckpoint(_message.Message):
     __slots__ = ("tinker_path",)

@@ -189,6 +189,26 @@ class SampleRequest(_message.Message):
     topk_sample_logprobs: int
     def __init__(self, sampling_session_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., prompt: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_tinker_public_pb2.SamplingParams, _Mapping]] = ..., num_samples: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., topk_prompt_logprobs: _Optional[int] = ..., topk_sample_logprobs: _Optional[int] = ...) -> None: ...
 
+class SampleChunk(_message.Message):
+    __slots__ = ("deltas", "response")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[SampleDelta]
+    response: _tinker_public_pb2.SampleResponse
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SampleDelta, _Mapping]]] = ..., response: _Optional[_Union[_tinker_public_pb2.SampleResponse, _Mapping]] = ...) -> None: ...
+
+class SampleDelta(_message.Message):
+    __slots__ = ("index", "offset", "tokens", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    tokens: bytes
+    logprobs: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+
 class ListTrainingRunsRequest(_message.Message):
     __slots__ = ("limit", "offset")
     LIMIT_FIELD_NUMBER: _ClassVar[int]

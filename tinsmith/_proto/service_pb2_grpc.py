@@ -424,6 +424,11 @@ class SamplingStub:
                 request_serializer=tinsmith_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
                 response_deserializer=tinsmith_dot_v1_dot_tinker__public__pb2.SampleResponse.FromString,
                 _registered_method=True)
+        self.SampleStream = channel.unary_stream(
+                '/tinsmith.v1.Sampling/SampleStream',
+                request_serializer=tinsmith_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
+                response_deserializer=tinsmith_dot_v1_dot_service__pb2.SampleChunk.FromString,
+                _registered_method=True)
 
 
 class SamplingServicer:
@@ -436,7 +441,20 @@ class SamplingServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Sample(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The whole answer once it is ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleStream(self, request, context):
+        """The same request, answered as it is generated: a SampleChunk with the new tokens of each
+        sampling step (per sequence, with their logprobs), then a last SampleChunk with whatever the
+        stream did not deliver and the rest of the answer (stop reasons, prompt logprobs, top-k).
+        Concatenating a sequence's deltas gives exactly the tokens and logprobs that Sample answers
+        for the same request: the last message is built from the stored result. Cancelling the call
+        (or its deadline) cancels the request, as for Sample.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -453,6 +471,11 @@ def add_SamplingServicer_to_server(servicer, server):
                     servicer.Sample,
                     request_deserializer=tinsmith_dot_v1_dot_service__pb2.SampleRequest.FromString,
                     response_serializer=tinsmith_dot_v1_dot_tinker__public__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleStream,
+                    request_deserializer=tinsmith_dot_v1_dot_service__pb2.SampleRequest.FromString,
+                    response_serializer=tinsmith_dot_v1_dot_service__pb2.SampleChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -509,6 +532,33 @@ class Sampling:
             '/tinsmith.v1.Sampling/Sample',
             tinsmith_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
             tinsmith_dot_v1_dot_tinker__public__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tinsmith.v1.Sampling/SampleStream',
+            tinsmith_dot_v1_dot_service__pb2.SampleRequest.SerializeToString,
+            tinsmith_dot_v1_dot_service__pb2.SampleChunk.FromString,
             options,
             channel_credentials,
             insecure,
