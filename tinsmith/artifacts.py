@@ -38,6 +38,7 @@ CHECKPOINT_TYPES = {
 # Every artifact of a run lives under runs/<run id>/<what>/<name>: exactly four key components.
 RUNS = "runs"
 KEY_DEPTH = 4
+_EPHEMERAL = "ephemeral"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -113,6 +114,15 @@ def run_of_key(key: str) -> str:
     return parts[1] if len(parts) == KEY_DEPTH and parts[0] == RUNS else ""
 
 
+def ephemeral_run(key: str) -> str:
+    """The run whose unnamed sampler weights ``key`` holds (``ephemeral_sampler_key``); "" for
+    any other key."""
+    parts = key.split("/")
+    return (
+        parts[1] if len(parts) == KEY_DEPTH and parts[0] == RUNS and parts[2] == _EPHEMERAL else ""
+    )
+
+
 def ephemeral_sampler_key(model_id: str, sampler_id: str) -> str:
     """The key of the unnamed snapshot behind ``save_weights_and_get_sampling_client``."""
-    return f"runs/{model_id}/ephemeral/{subjects.check_id('sampler id', sampler_id)}"
+    return f"{RUNS}/{model_id}/{_EPHEMERAL}/{subjects.check_id('sampler id', sampler_id)}"

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from tinsmith import artifacts
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, NotFound
@@ -175,16 +176,29 @@ def eos_ids_of(config: Mapping[str, object]) -> frozenset[int]:
     return frozenset() if eos is None else frozenset([int(eos)])  # type: ignore[call-overload]
 
 
-def lru_evictions(sizes: Mapping[str, int], bound: int, keep: Collection[str]) -> list[str]:
-    """The adapters to drop, least recently used first (``sizes`` is in use order), until the
-    rest fit in ``bound`` bytes; never one in ``keep`` (queued or running requests use it), so
-    the cache may stay over its bound for a while."""
-    total = sum(sizes.values())
-    evict = []
+def evictions(
+    sizes: Mapping[str, int], bound: int, keep: Collection[str], loaded: str
+) -> list[str]:
+    """The adapters to drop now that ``loaded`` was loaded (``sizes`` is in use order, least
+    recent first), never one in ``keep`` (queued or running requests use it):
+
+    - first those ``loaded`` supersedes: the same run's earlier unnamed sampler weights. An RL
+      loop saves one per step (``save_weights_and_get_sampling_client``) and samples only the
+      newest, and every adapter held makes each step and each load slower, long before the byte
+      bound is reached. A client that does sample an older one again gets it reloaded.
+    - then the least recently used, until the rest fit in ``bound`` bytes (the cache may stay
+      over its bound for a while, when what is over is in use)."""
+    run = artifacts.ephemeral_run(loaded)
+    evict = [
+        key
+        for key in sizes
+        if run and key != loaded and key not in keep and artifacts.ephemeral_run(key) == run
+    ]
+    total = sum(size for key, size in sizes.items() if key not in evict)
     for key, size in sizes.items():
         if total <= bound:
             break
-        if key not in keep:
+        if key not in keep and key not in evict:
             evict.append(key)
             total -= size
     return evict

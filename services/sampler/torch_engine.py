@@ -50,7 +50,7 @@ from .engine import (
     check_command,
     empty_topk,
     eos_ids_of,
-    lru_evictions,
+    evictions,
     prompt_window,
     stop_rule,
     target_cells,
@@ -204,11 +204,12 @@ class TorchEngine:
         self._evict(base, keep=key)
 
     def _evict(self, base: _Base, keep: str) -> None:
-        """Keep the cache within its bound (``lru_evictions``)."""
+        """Drop what ``keep`` (just loaded) supersedes, and keep the cache within its bound
+        (``evictions``)."""
         names = {r.adapter for r in self._requests.values() if r.base is base}
         in_use = {key for key, a in base.adapters.items() if a.name in names} | {keep}
         sizes = {key: a.nbytes for key, a in base.adapters.items()}
-        for key in lru_evictions(sizes, self.adapter_cache_bytes, in_use):
+        for key in evictions(sizes, self.adapter_cache_bytes, in_use, keep):
             adapter = base.adapters.pop(key)
             assert isinstance(base.model, PeftModel)
             base.model.delete_adapter(adapter.name)

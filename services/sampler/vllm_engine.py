@@ -68,7 +68,7 @@ from .engine import (
     check_command,
     empty_topk,
     eos_ids_of,
-    lru_evictions,
+    evictions,
     prompt_window,
     stop_rule,
     target_cells,
@@ -255,10 +255,11 @@ class VllmEngine:
         self._evict(base, keep=key)
 
     def _evict(self, base: _Base, keep: str) -> None:
-        """Keep the cache within its bound (``lru_evictions``)."""
+        """Drop what ``keep`` (just loaded) supersedes, and keep the cache within its bound
+        (``evictions``)."""
         in_use = {r.adapter for r in self._requests.values() if r.base is base} | {keep}
         sizes = {key: a.nbytes for key, a in base.adapters.items()}
-        for key in lru_evictions(sizes, self.adapter_cache_bytes, in_use):
+        for key in evictions(sizes, self.adapter_cache_bytes, in_use, keep):
             adapter = base.adapters.pop(key)
             base.engine.remove_lora(adapter.request.lora_int_id)
             shutil.rmtree(adapter.request.lora_path, ignore_errors=True)

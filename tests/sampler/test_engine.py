@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from services.sampler.engine import run_all
+from services.sampler.engine import evictions, run_all
 from services.sampler.torch_engine import TorchEngine
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
@@ -228,6 +228,41 @@ def test_the_adapter_cache_keeps_to_its_memory_bound(tmp_path: Path) -> None:
     while engine.has_work():
         outcomes.update(engine.step())
     assert all(isinstance(outcomes[t], bytes) for t in (0, 1))
+
+
+def test_evictions_drop_what_a_runs_newer_sampler_weights_supersede() -> None:
+    old, older = "runs/r1/ephemeral/r1:sample:1", "runs/r1/ephemeral/r1:sample:0"
+    named, other = "runs/r1/sampler_weights/best", "runs/r2/ephemeral/r2:sample:0"
+    new = "runs/r1/ephemeral/r1:sample:2"
+    sizes = dict.fromkeys([older, named, old, other, new], 10)
+    # Far under the bound: only the same run's earlier unnamed weights go, never what is in use.
+    assert evictions(sizes, 1000, keep={new}, loaded=new) == [older, old]
+    assert evictions(sizes, 1000, keep={new, old}, loaded=new) == [older]
+    # A named checkpoint, another run's weights, or a base-model key supersede nothing.
+    assert evictions(sizes, 1000, keep={named}, loaded=named) == []
+    assert evictions(sizes, 1000, keep={"adapter/a"}, loaded="adapter/a") == []
+    # Over the bound, least recently used next, counting what was already dropped.
+    assert evictions(sizes, 20, keep={new}, loaded=new) == [older, old, named]
+
+
+def test_a_runs_newer_sampler_weights_replace_its_older_ones_in_the_engine(
+    tmp_path: Path,
+) -> None:
+    engine = TorchEngine(models.default_cache_dir())
+    keys = [f"runs/r1/ephemeral/r1:sample:{i}" for i in range(3)]
+    for i, key in enumerate(keys[:2]):
+        _save_adapter(tmp_path / key, 20 + i, ["q_proj", "v_proj"])
+    engine.load_adapter(BASE, keys[0], tmp_path / keys[0])
+    # The older weights are in use by a queued request: they stay until it is done.
+    engine.add(0, _command(_prompt(44, 4), keys[0], max_tokens=3, seed=1))
+    engine.add(1, _command(_prompt(45, 4), keys[1], max_tokens=3, seed=1), tmp_path / keys[1])
+    assert [engine.has_adapter(BASE, k) for k in keys[:2]] == [True, True]
+    while engine.has_work():
+        engine.step()
+    _save_adapter(tmp_path / keys[2], 22, ["q_proj", "v_proj"])
+    engine.load_adapter(BASE, keys[2], tmp_path / keys[2])
+    assert [engine.has_adapter(BASE, k) for k in keys] == [False, False, True]
+    assert engine.loaded() == {BASE: 1}
 
 
 def test_a_cancelled_request_leaves_and_the_others_go_on(engine: TorchEngine) -> None:
