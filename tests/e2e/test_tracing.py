@@ -151,7 +151,7 @@ def test_sampling_traces_adapter_io_batch_formation_and_compute(
     sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, temperature=1.0)).result()
 
     def sampled(spans: list[Span]) -> bool:
-        return any(s.name == "sampler sample" for s in spans)
+        return {"sampler sample", "POST /api/v1/asample"} <= {s.name for s in spans}
 
     trace = _trace_of(receiver.wait_for(sampled, 30.0), "POST /api/v1/asample")
     work = _one(trace, "sampler", "sampler sample")
@@ -195,13 +195,14 @@ def test_a_clients_trace_context_is_the_parent_on_both_faces(
             )
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
-    def both(spans: list[Span]) -> bool:
-        return sum(s.trace_id == CLIENT_TRACE and s.kind == "SERVER" for s in spans) >= 2
+    names = ("GET /api/v1/get_server_capabilities", "/tinsmith.v1.Catalog/GetSession")
 
-    spans = receiver.wait_for(both, 30.0)
-    served = {s.name: s for s in spans if s.trace_id == CLIENT_TRACE and s.kind == "SERVER"}
-    http = served["GET /api/v1/get_server_capabilities"]
-    call = served["/tinsmith.v1.Catalog/GetSession"]
+    def served(spans: list[Span]) -> dict[str, Span]:
+        return {s.name: s for s in spans if s.trace_id == CLIENT_TRACE and s.name in names}
+
+    found = served(receiver.wait_for(lambda spans: len(served(spans)) == len(names), 30.0))
+    http, call = (found[name] for name in names)
+    assert http.kind == call.kind == "SERVER"
     assert http.parent_span_id == call.parent_span_id == CLIENT_SPAN
     assert http.attributes["http.response.status_code"] == 200
     assert (call.status, call.attributes["rpc.grpc.status_code"]) == ("ERROR", 5)
