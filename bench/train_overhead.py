@@ -33,17 +33,13 @@ import argparse
 import asyncio
 import math
 import re
-import select
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +53,7 @@ from transformers import AutoModelForCausalLM
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import Bus
-from tinsmith.embedded import free_port
+from tinsmith.child import UpProcess
 
 DEFAULT_MODELS = (models.TINY, models.SMALL)
 TARGET_RATIO = 1.10
@@ -69,63 +65,24 @@ ADAM = types.AdamParams(learning_rate=1e-4)  # the SDK's defaults for everything
 # --- the system ---------------------------------------------------------------------------------
 
 
-@dataclass
-class System:
-    process: subprocess.Popen[str]
-    url: str
-    data_dir: Path
-    output: list[str] = field(default_factory=list)
-
-    @property
-    def nats_url(self) -> str:
-        config = (self.data_dir / "nats-server.conf").read_text()
-        found = re.search(r"listen:\s*(\S+)", config)
-        if found is None:
-            raise RuntimeError(f"no listen address in {self.data_dir / 'nats-server.conf'}")
-        return f"nats://{found.group(1)}"
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+def nats_url(system: UpProcess) -> str:
+    """The address of the system's own nats-server, from the config ``tinsmith up`` wrote."""
+    config = (system.data_dir / "nats-server.conf").read_text()
+    found = re.search(r"listen:\s*(\S+)", config)
+    if found is None:
+        raise RuntimeError(f"no listen address in {system.data_dir / 'nats-server.conf'}")
+    return f"nats://{found.group(1)}"
 
 
-def start_system(data_dir: Path, cache_dir: Path, timeout_s: float = 300.0) -> System:
+def start_system(data_dir: Path, cache_dir: Path, timeout_s: float = 300.0) -> UpProcess:
     """``tinsmith up`` on a free port; returns once it prints that it is ready."""
-    tinsmith = Path(sys.executable).parent / "tinsmith"
-    argv = [str(tinsmith), "up", "--port", str(free_port()), "--data-dir", str(data_dir)]
-    env = {**os.environ, "TINSMITH_CACHE_DIR": str(cache_dir)}
-    process = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    assert process.stdout is not None
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([process.stdout], [], [], 1.0)
-        if not ready:
-            continue
-        line = process.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if line.startswith("tinsmith ready at "):
-            system = System(process, line.split()[-1], data_dir, seen)
-            # Keep draining its output, so a chatty launcher can never block on a full pipe.
-            threading.Thread(target=_drain, args=(process, seen), daemon=True).start()
-            return system
-    process.kill()
-    process.wait()
-    raise RuntimeError(f"tinsmith up did not become ready:\n{''.join(seen)}")
-
-
-def _drain(process: subprocess.Popen[str], into: list[str]) -> None:
-    assert process.stdout is not None
-    for line in process.stdout:
-        into.append(line)
+    system = UpProcess(data_dir, env={"TINSMITH_CACHE_DIR": str(cache_dir)})
+    try:
+        system.wait_ready(timeout_s)
+    except RuntimeError:
+        system.stop()
+        raise
+    return system
 
 
 # --- the two sides ------------------------------------------------------------------------------
@@ -263,10 +220,10 @@ async def _run_requests(nats_url: str, model_id: str) -> dict[str, list[_Request
 
 
 def breakdown(
-    system: System, side: SystemSide, measured: int, reference: InProcessSide
+    system: UpProcess, side: SystemSide, measured: int, reference: InProcessSide
 ) -> list[tuple[str, float]]:
     """Median seconds of each segment of the measured system steps' critical path."""
-    requests = asyncio.run(_run_requests(system.nats_url, side.model_id))
+    requests = asyncio.run(_run_requests(nats_url(system), side.model_id))
     if not len(side.spans) == len(requests["forward_backward"]) == len(requests["optim_step"]):
         return []  # the SDK split a forward_backward into chunks: no one request per step
     steps = zip(side.spans, requests["forward_backward"], requests["optim_step"], strict=True)
@@ -313,7 +270,7 @@ class Result:
 
 
 def measure(
-    system: System,
+    system: UpProcess,
     service: tinker.ServiceClient,
     cache_dir: Path,
     model: str,

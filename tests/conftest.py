@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-import select
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tinsmith.child import UpProcess
 from tinsmith.embedded import free_port, nats_server_binary
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,19 +47,15 @@ def _wait_port(port: int, timeout: float = 10.0) -> None:
 
 
 class RunningSystem:
-    def __init__(
-        self,
-        process: subprocess.Popen[bytes],
-        url: str,
-        data_dir: Path,
-        grpc_target: str = "",
-        metrics: dict[str, str] | None = None,
-    ) -> None:
-        self.process = process
-        self.url = url
-        self.data_dir = data_dir
-        self.grpc_target = grpc_target  # host:port of the gateway's gRPC API
-        self.metrics = metrics or {}  # service -> its Prometheus /metrics URL
+    """A ``tinsmith up`` the tests started, with what it announced."""
+
+    def __init__(self, up: UpProcess) -> None:
+        self.up = up
+        self.process = up.process
+        self.url = up.url
+        self.data_dir = up.data_dir
+        self.grpc_target = up.grpc_target  # host:port of the gateway's gRPC API
+        self.metrics = up.metrics  # service -> its Prometheus /metrics URL
 
     def logs(self) -> str:
         return "\n".join(
@@ -76,50 +70,17 @@ def start_system(
     port: int | None = None,
     env: dict[str, str] | None = None,
 ) -> RunningSystem:
-    port = port or free_port()
-    tinsmith = Path(sys.executable).parent / "tinsmith"
-    process = subprocess.Popen(
-        [str(tinsmith), "up", "--port", str(port), "--data-dir", str(data_dir)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-    )
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    seen: list[str] = []
-    grpc_target = ""
-    metrics = {}
-    for line in _lines(process.stdout.fileno(), deadline):
-        seen.append(line)
-        words = line.split()
-        if line.startswith("tinsmith gRPC at "):
-            grpc_target = words[-1]
-        if words[2:4] == ["metrics", "at"]:
-            metrics[words[1]] = words[-1]
-        if line.startswith("tinsmith ready at "):
-            return RunningSystem(process, words[-1], data_dir, grpc_target, metrics)
-    process.kill()
-    raise RuntimeError(f"tinsmith up did not become ready: {''.join(seen)}")
-
-
-def _lines(fd: int, deadline: float) -> Iterator[str]:
-    """The lines written to ``fd`` until it closes or ``deadline`` passes. Read unbuffered: a
-    buffered reader may take several lines in one read, which ``select`` then never reports."""
-    pending = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 1.0)
-        if not ready:
-            continue
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return
-        *lines, pending = (pending + chunk).split(b"\n")
-        yield from (line.decode() + "\n" for line in lines)
+    up = UpProcess(data_dir, port=port, env=env)
+    try:
+        up.wait_ready(timeout)
+    except RuntimeError:
+        up.stop()
+        raise
+    return RunningSystem(up)
 
 
 def stop_system(system: RunningSystem) -> int:
-    system.process.send_signal(signal.SIGTERM)
-    return system.process.wait(60)
+    return system.up.stop(60)
 
 
 @pytest.fixture(scope="session")

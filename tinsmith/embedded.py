@@ -54,7 +54,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Run in each child before exec: the kernel sends it SIGTERM if the launcher dies."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -117,7 +117,7 @@ class System:
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         with (self.log_dir / f"{name}.log").open("ab") as log:
             self.processes[name] = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
             )
 
     async def _start_nats(self) -> None:
