@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-vllm check lint proto up clean-cache
+.PHONY: setup demo test test-vllm check lint proto up clean-cache duty-cycle
 
 setup: $(STAMP)
 
@@ -64,6 +64,11 @@ proto: setup
 
 up: setup
 	$(BIN)/tinsmith up
+
+# The trainer's and sampler's busy/idle timelines with 1, 2 and 3 concurrent RL jobs, from their
+# spans (bench/README.md): prints each engine's utilisation, draws docs/duty-cycle.png. ~3 min.
+duty-cycle: setup
+	$(BIN)/python -m bench.duty_cycle
 
 # Container images, built from the repository root with services/<name>/Dockerfile, tagged as
 # deploy/kustomize/base names them. `make images`: the CPU images of the four services.

@@ -1,0 +1,99 @@
+"""bench.duty_cycle's arithmetic and picture, on synthetic spans (no system): busy time is the
+union of an engine's ``compute`` spans, and utilisation is the share of a window it covers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.duty_cycle import (
+    NS,
+    SAMPLER,
+    TRAINER,
+    JobShape,
+    Phase,
+    Step,
+    busy_intervals,
+    clip,
+    render,
+    union,
+    utilisation,
+)
+from bench.otlp import Span
+
+
+def _span(service: str, start: int, end: int, name: str = "compute") -> Span:
+    return Span("t" * 32, "s" * 16, "", name, "INTERNAL", start, end, service)
+
+
+def test_union_merges_overlapping_and_touching_intervals_and_drops_empty_ones() -> None:
+    assert union([(5, 7), (0, 2), (1, 3), (3, 4), (9, 9), (8, 6)]) == [(0, 4), (5, 7)]
+    assert union([(0, 10), (2, 3), (4, 5)]) == [(0, 10)]
+    assert union([]) == []
+
+
+def test_clip_cuts_the_union_to_the_window() -> None:
+    assert clip([(0, 4), (3, 6), (8, 12), (20, 30)], (2, 10)) == [(2, 6), (8, 10)]
+    assert clip([(0, 2)], (2, 10)) == []  # ends where the window starts
+
+
+def test_utilisation_counts_overlapping_spans_once() -> None:
+    # Three overlapping requests (continuous batching) and one alone: 0-4 and 6-7 of 0-10.
+    spans = [(0, 3), (1, 4), (2, 3), (6, 7)]
+    assert utilisation(spans, (0, 10)) == pytest.approx(0.5)
+    assert utilisation(spans, (2, 6)) == pytest.approx(0.5)
+    assert utilisation([], (0, 10)) == 0.0
+    assert utilisation([(-5, 50)], (0, 10)) == 1.0
+    with pytest.raises(ValueError, match="empty window"):
+        utilisation(spans, (3, 3))
+
+
+def test_busy_intervals_take_only_the_services_compute_spans() -> None:
+    spans = [
+        _span(TRAINER, 0, 2),
+        _span(TRAINER, 1, 3),
+        _span(TRAINER, 5, 9, name="trainer forward_backward"),  # not compute: ignored
+        _span(SAMPLER, 4, 6),
+        _span("tinsmith-gateway", 0, 10),
+    ]
+    assert busy_intervals(spans, TRAINER) == [(0, 3)]
+    assert busy_intervals(spans, SAMPLER) == [(4, 6)]
+
+
+def _phase(jobs: int, start: int, busy_every_s: float) -> Phase:
+    """A 10 s phase in which the trainer computes 0.5 s out of every ``busy_every_s``."""
+    window = (start, start + 10 * NS)
+    period = int(busy_every_s * NS)
+    trainer = [(t, t + NS // 2) for t in range(start, window[1], period)]
+    sampler = [(t + NS // 2, t + NS) for t in range(start, window[1], period)]
+    steps = [
+        [
+            Step(t, (t + NS, t + 2 * NS), t + period)
+            for t in range(start + i * NS, window[1], period)
+        ]
+        for i in range(jobs)
+    ]
+    return Phase(jobs, window, steps, trainer, sampler)
+
+
+def test_the_phase_reports_its_shares_and_the_steps_inside_its_window() -> None:
+    phase = _phase(1, 1_000 * NS, busy_every_s=2.5)
+    assert phase.seconds == 10.0
+    assert phase.trainer_share == pytest.approx(0.2)  # 0.5 s in every 2.5 s
+    assert phase.sampler_share == pytest.approx(0.2)
+    assert phase.steps_done == 4  # ending at 2.5, 5, 7.5 and 10 s
+
+    late = Phase(
+        1, phase.window, [[*phase.steps[0], Step(phase.window[1], (0, 0), phase.window[1] + 1)]]
+    )
+    assert late.steps_done == 4  # a step that ends after the window is not counted
+
+
+def test_the_picture_is_a_small_png(tmp_path: Path) -> None:
+    phases = [_phase(1, 0, 2.5), _phase(2, 100 * NS, 1.25), _phase(3, 200 * NS, 1.0)]
+    out = tmp_path / "duty.png"
+    render(phases, JobShape("tinsmith/small", 8, 32, 8, 2.0, 0.25), out)
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 10_000 < len(data) < 150_000
