@@ -80,10 +80,11 @@ import transformers
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from bench.train_overhead import System, start_system
+from bench.train_overhead import nats_url, start_system
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import Bus
+from tinsmith.child import UpProcess
 
 DEFAULT_MODEL = models.SMOLLM2
 TARGET_RATIO = 0.90
@@ -429,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tinsmith-bench-") as tmp:
         cache_dir = Path(tmp, "cache")
         model_dir = models.materialize(args.model, cache_dir)  # before the sampler wants it
-        system: System | None = None
+        system: UpProcess | None = None
         service: tinker.ServiceClient | None = None
         try:
             system = start_system(Path(tmp, "data"), cache_dir)
@@ -449,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def measure(
-    system: System,
+    system: UpProcess,
     service: tinker.ServiceClient,
     model_dir: Path,
     args: argparse.Namespace,
@@ -493,7 +494,7 @@ def measure(
     out["hand_offs"] = [
         hand_off(runs[0], model, prompt, args.warmup + step) for step in range(args.rounds)
     ]
-    requests = asyncio.run(_read_requests(system.nats_url))
+    requests = asyncio.run(_read_requests(nats_url(system)))
     measured = a.spans[args.warmup :]
     out["throughput_segments"] = throughput_segments(requests, _sampler_id(base), measured)
     out["hand_off_segments"] = hand_off_segments(requests, out["hand_offs"])
