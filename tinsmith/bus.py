@@ -10,7 +10,6 @@ it. Does not own: subject names (tinsmith/subjects.py) or what the bytes mean
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -38,6 +37,7 @@ log = logging.getLogger(__name__)
 # the SDK to cut forward_backward chunks well below it.
 MAX_PAYLOAD = 8 * 1024 * 1024
 DUPLICATE_WINDOW_S = 120.0
+CLOSE_TASKS_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class Bus:
         # This process among the replicas of its service, as events record who did the work.
         self.replica = f"{name}@{socket.gethostname()}:{os.getpid()}"
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
@@ -101,11 +102,14 @@ class Bus:
         return cls(nc, name)
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        # Bounded: nats-py's fetch can swallow a cancel (a pull consumer's loop then held the
+        # stop of a trainer for 15 s); the drain below ends such a loop anyway, by closing the
+        # connection under its fetch.
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=CLOSE_TASKS_TIMEOUT_S)
         await self.nc.drain()
 
     async def ensure_streams(self, results_max_age_s: float) -> None:
@@ -218,7 +222,7 @@ class Bus:
         sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
 
         async def loop() -> None:
-            while True:
+            while not self._closing:
                 wanted = batch if room is None else max(1, min(batch, await room()))
                 try:
                     # A long-held pull request: the server answers as soon as messages arrive.
@@ -226,6 +230,8 @@ class Bus:
                 except TimeoutError:
                     continue
                 except Exception:
+                    if self._closing:  # the connection closed under the fetch: done
+                        return
                     log.exception("fetch from %s failed; retrying", durable)
                     await asyncio.sleep(1.0)
                     continue
