@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tinsmith import subjects
+from tinsmith.bus import Bus
 from tinsmith.child import UpProcess
 from tinsmith.embedded import free_port, nats_server_binary
+from tinsmith.eventlog import EventLog
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -44,6 +48,18 @@ def _wait_port(port: int, timeout: float = 10.0) -> None:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listens on {port}")
+
+
+@pytest.fixture
+async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
+    """The event log on the private nats-server, emptied first: each test starts with none."""
+    connection = await Bus.connect(nats_url, name="test")
+    for stream in (subjects.EVENTS_STREAM, subjects.RESULTS_STREAM):
+        with contextlib.suppress(Exception):
+            await connection.js.delete_stream(stream)
+    await connection.ensure_streams(results_max_age_s=60)
+    yield EventLog(connection)
+    await connection.close()
 
 
 class RunningSystem:

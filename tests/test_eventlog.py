@@ -2,26 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-
-import pytest
-
 from tinsmith import events
 from tinsmith._proto import bus_pb2 as bus
-from tinsmith.bus import Bus
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
-
-
-@pytest.fixture
-async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
-    connection = await Bus.connect(nats_url, name="test")
-    for stream in ("TINSMITH_EVENTS", "TINSMITH_RESULTS"):
-        with contextlib.suppress(Exception):
-            await connection.js.delete_stream(stream)
-    await connection.ensure_streams(results_max_age_s=60)
-    yield EventLog(connection)
-    await connection.close()
 
 
 def _session(session_id: str) -> bus.Event:

@@ -5,10 +5,8 @@ that delete from storage, overwrites that release their old blob, and garbage co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import pytest
 from services.checkpoint.handlers import Catalog
 from services.checkpoint.projection import SqlProjection
 from services.checkpoint.storage import Storage
-from tinsmith import catalog, events, subjects
+from tinsmith import catalog, events
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
@@ -52,17 +50,6 @@ class Service:
     async def stop(self) -> None:
         await self.bus.close()
         await self.projection.engine.dispose()
-
-
-@pytest.fixture
-async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
-    connection = await Bus.connect(nats_url, name="test")
-    for stream in (subjects.EVENTS_STREAM, subjects.RESULTS_STREAM):
-        with contextlib.suppress(Exception):
-            await connection.js.delete_stream(stream)
-    await connection.ensure_streams(results_max_age_s=60)
-    yield EventLog(connection)
-    await connection.close()
 
 
 @pytest.fixture

@@ -5,10 +5,8 @@ request after it runs as usual. (A request cancelled while it decodes: tests/e2e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -19,21 +17,9 @@ from tinsmith import events, jobs, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
-from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog, FollowedProjection
 
 SAMPLER = "S:sample:0"
-
-
-@pytest.fixture
-async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
-    connection = await Bus.connect(nats_url, name="test")
-    for stream in (subjects.EVENTS_STREAM, subjects.RESULTS_STREAM):
-        with contextlib.suppress(Exception):
-            await connection.js.delete_stream(stream)
-    await connection.ensure_streams(results_max_age_s=60)
-    yield EventLog(connection)
-    await connection.close()
 
 
 async def _accept(eventlog: EventLog, seq_id: int, max_tokens: int) -> str:
