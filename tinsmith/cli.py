@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from tinsmith import models
-from tinsmith.embedded import SERVICES, System, default_data_dir, free_port
+from tinsmith.embedded import SERVICES, System, default_data_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,10 +63,8 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
         host=host,
         port=port,
         data_dir=data_dir.expanduser().resolve(),
-        grpc_port=grpc_port or free_port(host),
+        grpc_port=grpc_port,  # 0: a free one, picked at start
     )
-    # Before starting (the ready line stays the last line, whose last word is the HTTP URL).
-    print(f"tinsmith gRPC at {system.grpc_target}", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C while starting
     try:
         asyncio.run(system.start())
@@ -74,6 +72,8 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
         # mask), and wait for them, or for a child to exit.
         watched = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
         signal.pthread_sigmask(signal.SIG_BLOCK, watched)
+        # The ready line comes last; its last word is the HTTP URL.
+        print(f"tinsmith gRPC at {system.grpc_target}", flush=True)
         for name in SERVICES:
             print(f"tinsmith {name} metrics at {system.metrics_url(name)}", flush=True)
         print(f"tinsmith ready at {system.url}", flush=True)

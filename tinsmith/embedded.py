@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,20 @@ def nats_server_binary() -> str:
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "tinsmith"
+
+
+def free_ports(count: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
+    """``count`` distinct ports free now, none of them in ``exclude``. Each socket stays bound
+    until all are picked, so the kernel cannot hand out one port twice."""
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket())
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -89,8 +104,14 @@ class System:
 
     async def start(self, timeout_s: float = 300.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        await self._start_nats()
-        self.grpc_port = self.grpc_port or free_port(self.host)
+        # Every port this system listens on, picked at once: one picked alone, free when picked,
+        # could be picked again for another before the first one's server binds it.
+        embedded_nats = not os.environ.get("TINSMITH_NATS_URL")
+        wanted = len(SERVICES) + int(embedded_nats) + int(not self.grpc_port)
+        ports = free_ports(wanted, self.host, exclude={self.port, self.grpc_port})
+        self.health_ports = {name: ports.pop() for name in SERVICES}
+        self.grpc_port = self.grpc_port or ports.pop()
+        await self._start_nats(ports.pop() if embedded_nats else 0)
         env = {
             **os.environ,
             "TINSMITH_NATS_URL": self.nats_url,
@@ -109,7 +130,6 @@ class System:
         # Each service gets a health port of its own, for its /metrics; the launcher checks
         # readiness over NATS.
         for name in SERVICES:
-            self.health_ports[name] = free_port()
             service_env = {**env, health.PORT_VARIABLE: str(self.health_ports[name])}
             self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], service_env)
         await self._wait_ready(timeout_s)
@@ -120,12 +140,12 @@ class System:
                 argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
             )
 
-    async def _start_nats(self) -> None:
+    async def _start_nats(self, port: int) -> None:
+        """The embedded nats-server on ``port``; with ``TINSMITH_NATS_URL`` set, none."""
         url = os.environ.get("TINSMITH_NATS_URL")
         if url:
             self.nats_url = url
             return
-        port = free_port()
         config = self.data_dir / "nats-server.conf"
         config.write_text(
             f"listen: 127.0.0.1:{port}\n"
