@@ -61,7 +61,6 @@ import argparse
 import asyncio
 import logging
 import math
-import signal
 import statistics
 import sys
 import tempfile
@@ -70,7 +69,6 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -84,7 +82,7 @@ from bench.train_overhead import nats_url, start_system
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import Bus
-from tinsmith.child import UpProcess
+from tinsmith.child import UpProcess, sigterm_as_interrupt
 
 DEFAULT_MODEL = models.SMOLLM2
 TARGET_RATIO = 0.90
@@ -406,13 +404,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # clean up on SIGTERM as on Ctrl-C
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -427,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="tinsmith-bench-") as tmp:
+    # Clean up on SIGTERM as on Ctrl-C.
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="tinsmith-bench-") as tmp:
         cache_dir = Path(tmp, "cache")
         model_dir = models.materialize(args.model, cache_dir)  # before the sampler wants it
         system: UpProcess | None = None

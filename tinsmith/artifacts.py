@@ -117,10 +117,7 @@ def run_of_key(key: str) -> str:
 def ephemeral_run(key: str) -> str:
     """The run whose unnamed sampler weights ``key`` holds (``ephemeral_sampler_key``); "" for
     any other key."""
-    parts = key.split("/")
-    return (
-        parts[1] if len(parts) == KEY_DEPTH and parts[0] == RUNS and parts[2] == _EPHEMERAL else ""
-    )
+    return run_of_key(key) if key.split("/")[2:3] == [_EPHEMERAL] else ""
 
 
 def ephemeral_sampler_key(model_id: str, sampler_id: str) -> str:

@@ -330,8 +330,8 @@ async def _sampler(session: AsyncSession, seq: int, event: bus.Event) -> None:
             created_at=event.time,
         )
     )
-    if created.adapter_key and not created.model_path:  # the unnamed snapshot behind it
-        model_id = created.adapter_key.split("/")[1]
+    model_id = artifacts.ephemeral_run(created.adapter_key)
+    if model_id and not created.model_path:  # the unnamed snapshot behind it
         await _reference(session, created.adapter_key, model_id, "ephemeral", 0, seq)
 
 
