@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from tinsmith import events
+from tinsmith import events, jobs
 from tinsmith._proto import bus_pb2 as bus
+from tinsmith.bus import MAX_RESULT_BYTES
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
 
 
@@ -47,3 +48,27 @@ async def test_a_completion_points_at_its_result(eventlog: EventLog) -> None:
     await projection.catch_up()
     request = projection.state.requests["S:train:0:1"]
     assert await eventlog.get_result(request.result_seq) == (b"{}", JSON)
+
+
+async def test_a_result_too_large_to_store_fails_its_request_with_the_limit(
+    eventlog: EventLog,
+) -> None:
+    """Before, such a result was never stored nor failed: its request came back after every ack
+    wait, was computed again, and survived restarts."""
+    projection = FollowedProjection(eventlog)
+    await projection.start()
+    accepted = bus.RequestAccepted(
+        request_id="S:sample:0:7", aggregate_id="S:sample:0", seq_id=7, sample=bus.Sample()
+    )
+    await eventlog.append(events.make(request_accepted=accepted), request_aggregate="sampler")
+
+    async def work() -> tuple[bytes, str]:
+        return b"\x00" * (9 * 2**20), PROTOBUF
+
+    await eventlog.settle(accepted, work, request_aggregate="sampler", worker="sampler")
+    await projection.catch_up()
+    request = projection.state.requests["S:sample:0:7"]
+    assert request.status is jobs.Status.FAILED
+    assert request.error_kind == "invalid_request"
+    assert "9.0 MiB" in request.error_detail
+    assert f"{MAX_RESULT_BYTES / 2**20:.1f} MiB" in request.error_detail

@@ -16,8 +16,8 @@ from opentelemetry import trace
 
 from tinsmith import events, jobs, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
-from tinsmith.bus import Bus
-from tinsmith.failures import Cancelled, InternalError, TinsmithError
+from tinsmith.bus import MAX_RESULT_BYTES, Bus
+from tinsmith.failures import Cancelled, InternalError, InvalidRequest, TinsmithError
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,10 @@ JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
 _MEDIA_TYPES = {JSON: b"j", PROTOBUF: b"p"}
 _MEDIA_BY_TAG = {tag: media for media, tag in _MEDIA_TYPES.items()}
+
+
+class ResultTooLarge(InvalidRequest):
+    """A request's result does not fit the results stream's one message."""
 
 
 class EventLog:
@@ -42,7 +46,14 @@ class EventLog:
         return int(ack.seq), bool(ack.duplicate)
 
     async def put_result(self, request_id: str, body: bytes, media_type: str) -> int:
-        """Store a result, tagged with its media type; return its sequence in the results stream."""
+        """Store a result, tagged with its media type; return its sequence in the results stream.
+        A result over ``MAX_RESULT_BYTES`` is refused (``ResultTooLarge``) before it is sent."""
+        if len(body) > MAX_RESULT_BYTES:
+            raise ResultTooLarge(
+                f"the result of request {request_id} is {len(body) / 2**20:.1f} MiB; a result is "
+                f"stored as one message of at most {MAX_RESULT_BYTES / 2**20:.1f} MiB: ask for "
+                "less in one request (fewer samples or datums, fewer tokens, a smaller top-k)"
+            )
         ack = await self.bus.publish(
             subjects.result_subject(request_id),
             _MEDIA_TYPES[media_type] + body,
@@ -117,11 +128,20 @@ class EventLog:
         worker: str,
     ) -> None:
         """Run a request's work and record its outcome: the result, or a failure whose kind
-        says whose fault it was. An unexpected exception is a server fault, logged in full."""
+        says whose fault it was (a result too large to store is the request's: it fails with
+        ``ResultTooLarge``). An unexpected exception is a server fault, logged in full."""
         started = time.perf_counter()
         command = events.command_of(accepted)
         try:
             body, media_type = await work()
+            await self.complete(
+                accepted.request_id,
+                accepted.aggregate_id,
+                body,
+                media_type,
+                request_aggregate=request_aggregate,
+                compute_seconds=time.perf_counter() - started,
+            )
         except Cancelled as cancelled:
             # Its outcome, the cancellation, is in the log already: nothing to record.
             telemetry.record_error(trace.get_current_span(), cancelled.kind, cancelled.detail)
@@ -133,14 +153,6 @@ class EventLog:
             log.exception("request %s failed in the %s", accepted.request_id, worker)
             failure = InternalError(f"{command} failed in the {worker}: {exc}")
         else:
-            await self.complete(
-                accepted.request_id,
-                accepted.aggregate_id,
-                body,
-                media_type,
-                request_aggregate=request_aggregate,
-                compute_seconds=time.perf_counter() - started,
-            )
             telemetry.work_done(command, time.perf_counter() - started)
             return
         telemetry.record_error(trace.get_current_span(), failure.kind, failure.detail)
