@@ -36,6 +36,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, set_span_in_context
 
 from tinsmith import subjects, telemetry
+from tinsmith.failures import InternalError
 
 if TYPE_CHECKING:
     from tinsmith.bus import Bus
@@ -129,6 +130,16 @@ class Delivery:
     async def in_progress(self) -> None:
         """Tell JetStream the work is still going on, so it is not redelivered meanwhile."""
         await self._msg.in_progress()
+
+
+def exhausted(delivery: Delivery, request_id: str) -> InternalError:
+    """The failure a worker records for a request on its last delivery, instead of running it."""
+    return InternalError(
+        f"request {request_id} was taken {delivery.num_delivered} times by workers that stopped "
+        "before recording its outcome (they crashed, stalled past the ack wait or were stopped); "
+        "it is failed so that it cannot take down more of them. If it did not cause that, send "
+        "it again"
+    )
 
 
 @dataclass
