@@ -60,7 +60,16 @@ def test_unknown_model_is_an_invalid_request_naming_the_accepted_ones() -> None:
 
 
 def test_a_local_directory_with_a_config_is_accepted(tmp_path: pathlib.Path) -> None:
-    config = {"model_type": "llama", "vocab_size": 1000, "max_position_embeddings": 4096}
+    config = {
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     spec = models.get(str(tmp_path))
@@ -72,6 +81,18 @@ def test_a_local_directory_with_a_config_is_accepted(tmp_path: pathlib.Path) -> 
         4096,
     )
     assert models.materialize(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_a_config_without_the_model_sizes_is_refused(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(InvalidRequest, match="hidden_size"):
+        models.get(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["x" * 5000, "a\x00b", "/" + "y" * 300 + "/m"])
+def test_names_the_file_system_cannot_look_up_are_unknown_models(name: str) -> None:
+    with pytest.raises(InvalidRequest, match="unknown model"):
+        models.get(name)
 
 
 def test_a_directory_without_a_config_is_not_a_model(tmp_path: pathlib.Path) -> None:

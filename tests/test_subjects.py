@@ -27,7 +27,7 @@ def test_cancellations_have_a_subject_below_their_sampler_that_samplers_follow_a
     )
 
 
-@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x" * 201])
+@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "x" * 201, "run\n", "run\r\n"])
 def test_ids_that_would_break_a_subject_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest, match="not a valid id"):
         subjects.event_subject("run", bad)
@@ -54,8 +54,17 @@ def test_tinker_paths_round_trip_to_keys() -> None:
         "tinker://S/weights/..",
         "tinker://S/weights/a/b",
         "tinker://a.b/weights/c",
+        "tinker://S/weights/step1\n",
+        "tinker://S\n/weights/step1",
     ],
 )
 def test_malformed_tinker_paths_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest):
         artifacts.parse(bad)
+
+
+@pytest.mark.parametrize("bad", ["step1\n", "\nstep1", "a\x00", "", ".", "x" * 129])
+def test_checkpoint_names_must_match_whole(bad: str) -> None:
+    """A regex's ``$`` matches before a final newline: names are checked with a full match."""
+    with pytest.raises(InvalidRequest, match="not accepted"):
+        artifacts.check_name(bad)

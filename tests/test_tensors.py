@@ -11,7 +11,7 @@ from tinsmith.tensors import (
     batched,
     decode_tensor,
     model_input_tokens,
-    tensor_from_json,
+    tensor_proto_from_json,
     tokens_to_bytes,
     unbatch,
 )
@@ -77,7 +77,8 @@ def test_model_input_tokens_concatenates_text_chunks_and_refuses_images() -> Non
 
 def test_json_tensor_data_as_the_sdk_writes_it() -> None:
     data = {"data": [1, -1, 2, 3], "dtype": "int64", "shape": [2, 2]}
-    np.testing.assert_array_equal(tensor_from_json(data, "t"), [[1, -1], [2, 3]])
+    dense = tensor_proto_from_json(data, "t")
+    np.testing.assert_array_equal(decode_tensor(dense, "t"), [[1, -1], [2, 3]])
     sparse = {
         "data": [5],
         "dtype": "float32",
@@ -85,4 +86,40 @@ def test_json_tensor_data_as_the_sdk_writes_it() -> None:
         "sparse_crow_indices": [0, 0, 1],
         "sparse_col_indices": [1],
     }
-    np.testing.assert_array_equal(tensor_from_json(sparse, "t"), [[0, 0], [0, 5]])
+    csr = tensor_proto_from_json(sparse, "t")
+    assert csr.WhichOneof("encoding") == "sparse_csr"
+    np.testing.assert_array_equal(decode_tensor(csr, "t"), [[0, 0], [0, 5]])
+
+
+@pytest.mark.parametrize(
+    "shape", [[-1, -1], [-1], [2**62, 2**62], [2**40], [1] * 9, [2**13, 2**13, 2**13]]
+)
+def test_shapes_with_negative_or_overflowing_sizes_are_refused(shape: list[int]) -> None:
+    """A weights tensor of shape [-1, -1] holding one value used to fail inside numpy, as an
+    internal error that left its seq_id neither accepted nor rejected."""
+    dense = tp.Tensor(dense=np.ones(1, "<f4").tobytes(), dtype=tp.DTYPE_FLOAT32, shape=shape)
+    with pytest.raises(InvalidRequest, match="shape"):
+        decode_tensor(dense, "weights")
+    sparse = tp.Tensor(dtype=tp.DTYPE_FLOAT32, shape=shape)
+    sparse.sparse_csr.crow_indices = np.zeros(1, "<i8").tobytes()
+    with pytest.raises(InvalidRequest, match="shape"):
+        decode_tensor(sparse, "weights")
+
+
+@pytest.mark.parametrize(
+    ("data", "detail"),
+    [
+        ({"data": [2**70], "dtype": "int64"}, "int64"),
+        ({"data": [float("nan")], "dtype": "float32"}, "finite"),
+        ({"data": [[1, 2]], "dtype": "int64"}, "flat list"),
+        ({"data": "12", "dtype": "int64"}, "flat list"),
+        ({"data": [1], "dtype": "int64", "shape": [-1]}, "non-negative"),
+        ({"data": [1], "dtype": "int64", "shape": "1"}, "list of sizes"),
+        ({"data": [1], "dtype": "int64", "shape": [1], "sparse_crow_indices": [2**64]}, "int64"),
+    ],
+)
+def test_json_tensor_data_that_does_not_fit_is_refused(
+    data: dict[str, object], detail: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=detail):
+        tensor_proto_from_json(data, "t")

@@ -39,7 +39,7 @@ CHECKPOINT_TYPES = {
 RUNS = "runs"
 KEY_DEPTH = 4
 _EPHEMERAL = "ephemeral"
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class TinkerPath:
 
 def check_name(name: str) -> str:
     """A checkpoint name: no '/', not '.' or '..', at most 128 characters."""
-    if not _NAME.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         raise InvalidRequest(
             f"checkpoint name {name!r} is not accepted: use 1-128 characters from A-Z, a-z, 0-9, "
             "'_', '-' and '.', and not '.' or '..'"

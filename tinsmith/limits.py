@@ -1,10 +1,145 @@
-"""Bounds that the gateway enforces on requests and the services rely on.
+"""Bounds on requests, and what a request costs: the numbers checked before a request is accepted,
+so that no one request can take an engine's memory or time from every other user.
 
-Owns: the numbers both sides must agree on. Does not own: where each is checked.
+Owns: the bounds (configuration with safe defaults: ``Limits.from_env``; every service reads the
+same variables) and the cost model they are checked against, computed from a model's shape
+(``tinsmith.models.Shape``) alone, without torch:
+
+- ``train_bytes``: the activation memory of a forward or forward_backward in float32, fitted to
+  measurements of the trainer on this repository's models (SmolLM2-135M: about 3 MB per token
+  with gradients, so 4 x 1024 tokens took 12.5 to 15 GB), with a term quadratic in each
+  sequence's length for attention that materialises its weights;
+- ``sample_bytes``: the KV cache and logits of a sample request in the running batch;
+- ``sample_result_bytes``: the size of a sample's stored result, which must fit one message.
+
+Does not own: where each bound is checked (the gateway, before it appends anything), or the
+engines' own accounting of memory.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from tinsmith.models import Shape
+
 # The widest top-k of logprobs a sample request may ask for, per prompt or sampled position
 # (vLLM's default max_logprobs, so both sampling engines can serve it).
 MAX_TOPK_LOGPROBS = 20
+# Samples one request may ask for.
+MAX_NUM_SAMPLES = 1024
+# Integer fields end up in protobuf messages: Tinker's seq ids and counters are int32 on the wire.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
+# Entries of a tags list or a user_metadata map.
+MAX_METADATA_ENTRIES = 256
+
+_FLOAT = 4  # bytes; the engines compute in float32 on the CPU
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds every request is checked against. Each field is read from the environment
+    variable named after it (``TINSMITH_`` + the field's name in capitals)."""
+
+    # The largest LoRA rank a run may have (its adapter and AdamW state grow with it).
+    max_lora_rank: int = 128
+    # The activation memory one forward_backward (or forward) request may need, in MiB
+    # (``train_bytes``). SmolLM2-135M at about 3 MB per token: some 2,700 tokens a request.
+    train_memory_mb: int = 8192
+    # The memory a sample request may take in the running batch (its KV cache and logits), in
+    # MiB (``sample_bytes``). SmolLM2-135M: some 80,000 tokens of KV cache.
+    sample_memory_mb: int = 4096
+    # num_samples x (prompt + max_tokens) of one sample request, whatever the model: the work
+    # one request may ask of the sampler.
+    sample_max_tokens: int = 131072
+    # How far past a run's next seq_id a request may be (the SDK sends a forward_backward's
+    # chunks at once, the lowest last): beyond, 429 until the earlier requests arrive.
+    seq_window: int = 128
+    # The bytes of a call's tags, user_metadata, project_id and display_name together.
+    max_metadata_bytes: int = 16384
+
+    @classmethod
+    def from_env(cls) -> Limits:
+        values = {}
+        for field in fields(cls):
+            name = f"TINSMITH_{field.name.upper()}"
+            raw = os.environ.get(name, "").strip()
+            if not raw:
+                continue
+            try:
+                value = int(raw)
+            except ValueError:
+                raise SystemExit(f"{name}={raw!r} is not an integer") from None
+            if value < 1:
+                raise SystemExit(f"{name}={raw!r} must be at least 1")
+            values[field.name] = value
+        return cls(**values)
+
+
+def train_bytes(shape: Shape, vocab_size: int, lengths: Sequence[int], *, backward: bool) -> int:
+    """The activation memory of one forward (``backward=False``) or forward_backward over
+    sequences of ``lengths`` tokens, in float32: per token, what each layer keeps for the
+    backward pass (or, forward only, what one layer holds at a time) plus the logits and their
+    log-softmax and gradient; per sequence, attention weights of ``length**2`` per head."""
+    tokens = sum(lengths)
+    squares = sum(n * n for n in lengths)
+    h, m, kv = shape.hidden_size, shape.intermediate_size, shape.kv_size
+    heads = shape.num_attention_heads
+    if backward:
+        per_token = shape.num_hidden_layers * (18 * h + 4 * m + 4 * kv) + 5 * vocab_size
+        attention = shape.num_hidden_layers * heads * squares
+    else:
+        per_token = 4 * h + 2 * m + 3 * vocab_size
+        attention = heads * squares
+    return _FLOAT * (tokens * per_token + attention)
+
+
+def sample_bytes(
+    shape: Shape,
+    vocab_size: int,
+    *,
+    prompt: int,
+    max_tokens: int,
+    num_samples: int,
+    prompt_scores: bool,
+) -> int:
+    """The memory a sample request holds in the running batch: every sequence's KV cache at its
+    full length, the logits of each step (and of the whole prompt when it asks for prompt
+    logprobs), in float32."""
+    kv_per_token = 2 * shape.num_hidden_layers * shape.kv_size
+    cache = num_samples * (prompt + max_tokens) * kv_per_token
+    logits = 3 * vocab_size * (num_samples + (prompt if prompt_scores else 1))
+    return _FLOAT * (cache + logits)
+
+
+def sample_result_bytes(
+    *,
+    prompt: int,
+    max_tokens: int,
+    num_samples: int,
+    topk_sample: int,
+    topk_prompt: int,
+    prompt_logprobs: bool,
+    target_cells: int,
+    alt_tokens_k: int,
+) -> int:
+    """The most a sample request's stored ``SampleResponse`` can take: per sampled token its id,
+    logprob and top-k; per prompt position its logprob, top-k and alternatives; the target
+    logprobs; a little framing per sequence."""
+    per_sampled = 8 + 8 * topk_sample
+    per_prompt = 4 * int(prompt_logprobs) + 8 * topk_prompt + 12 * alt_tokens_k
+    return (
+        num_samples * (max_tokens * per_sampled + 64)
+        + prompt * per_prompt
+        + 4 * target_cells
+        + 1024
+    )
+
+
+def mib(n: int) -> str:
+    """``n`` bytes, for people."""
+    return f"{n / _MIB:,.0f} MiB" if n >= 10 * _MIB else f"{n / _MIB:.1f} MiB"

@@ -56,6 +56,25 @@ _CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class Shape:
+    """The sizes of a decoder-only transformer that what its requests cost depends on (memory
+    for activations and the KV cache: tinsmith/limits.py). The random models differ only in it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """The width of one layer's keys (and of its values) per token."""
+        head_dim = self.head_dim or self.hidden_size // max(1, self.num_attention_heads)
+        return self.num_key_value_heads * head_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """A model the service can train and sample. ``source`` and ``location`` say how to build it."""
 
@@ -63,31 +82,26 @@ class ModelSpec:
     arch: str
     vocab_size: int
     max_context_length: int
+    shape: Shape
     source: str = "local"  # "random" (shape in _RANDOM_SHAPES), "gguf" or "local"
     location: str = ""  # the GGUF file name, or the local directory
 
 
-@dataclass(frozen=True)
-class _QwenShape:
-    """The sizes that tell the random Qwen2 models apart; the rest of the recipe is shared."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-
-
 _RANDOM_SHAPES = {
-    TINY: _QwenShape(64, 176, 2, 4, 2),  # 0.10M parameters
-    SMALL: _QwenShape(256, 1024, 6, 8, 4),  # 6.17M parameters
+    TINY: Shape(64, 176, 2, 4, 2),  # 0.10M parameters
+    SMALL: Shape(256, 1024, 6, 8, 4),  # 6.17M parameters
 }
+_SMOLLM2_SHAPE = Shape(576, 1536, 30, 9, 3, head_dim=64)
 
 _BUILTIN = {
-    TINY: ModelSpec(TINY, "qwen2", 512, 1024, source="random"),
-    SMALL: ModelSpec(SMALL, "qwen2", 512, 1024, source="random"),
-    SMOLLM2: ModelSpec(SMOLLM2, "llama", 49152, 8192, source="gguf", location=_SMOLLM2_GGUF),
+    TINY: ModelSpec(TINY, "qwen2", 512, 1024, _RANDOM_SHAPES[TINY], source="random"),
+    SMALL: ModelSpec(SMALL, "qwen2", 512, 1024, _RANDOM_SHAPES[SMALL], source="random"),
+    SMOLLM2: ModelSpec(
+        SMOLLM2, "llama", 49152, 8192, _SMOLLM2_SHAPE, source="gguf", location=_SMOLLM2_GGUF
+    ),
 }
+# A local directory's name is a path: longer than this is refused before it touches the disk.
+_MAX_NAME_LENGTH = 1024
 
 
 def registry() -> dict[str, ModelSpec]:
@@ -99,26 +113,57 @@ def get(name: str) -> ModelSpec:
     """The spec for ``name``: a registered name, or a local directory holding a ``config.json``."""
     if name in _BUILTIN:
         return _BUILTIN[name]
-    path = pathlib.Path(name).expanduser()
-    if name and (path / "config.json").is_file():
-        config = json.loads((path / "config.json").read_text())
-        text = config.get("text_config") or {}
-
-        def field(key: str, default: object) -> Any:
-            return config.get(key, text.get(key, default))
-
-        return ModelSpec(
-            name=name,
-            arch=str(field("model_type", "unknown")),
-            vocab_size=int(field("vocab_size", 0)),
-            max_context_length=int(field("max_position_embeddings", 2048)),
-            source="local",
-            location=str(path.resolve()),
-        )
     accepted = ", ".join(repr(n) for n in sorted(_BUILTIN))
-    raise InvalidRequest(
-        f"unknown model {name!r}: accepted models are {accepted}, "
+    unknown = InvalidRequest(
+        f"unknown model {name[:200]!r}: accepted models are {accepted}, "
         "or a local directory holding a Hugging Face config.json"
+    )
+    if not name or len(name) > _MAX_NAME_LENGTH or "\x00" in name:
+        raise unknown
+    try:
+        path = pathlib.Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise unknown
+    except OSError as exc:  # a name the file system cannot even look up (too long a part)
+        raise unknown from exc
+    try:
+        return _local_spec(name, path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise InvalidRequest(
+            f"{name[:200]!r} holds a config.json that does not describe a decoder model this "
+            f"server can load ({type(exc).__name__}: {exc}); it needs hidden_size, "
+            "num_hidden_layers, num_attention_heads and vocab_size"
+        ) from exc
+
+
+def _local_spec(name: str, path: pathlib.Path) -> ModelSpec:
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config") or {}
+
+    def field(key: str, default: object = None) -> Any:
+        value = config.get(key, text.get(key, default))
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    hidden = int(field("hidden_size"))
+    heads = int(field("num_attention_heads"))
+    shape = Shape(
+        hidden_size=hidden,
+        intermediate_size=int(field("intermediate_size", 4 * hidden)),
+        num_hidden_layers=int(field("num_hidden_layers")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field("num_key_value_heads", heads)),
+        head_dim=int(field("head_dim", 0) or 0),
+    )
+    return ModelSpec(
+        name=name,
+        arch=str(field("model_type", "unknown")),
+        vocab_size=int(field("vocab_size", 0)),
+        max_context_length=int(field("max_position_embeddings", 2048)),
+        shape=shape,
+        source="local",
+        location=str(path.resolve()),
     )
 
 
@@ -274,7 +319,7 @@ def _train_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _random_config(shape: _QwenShape) -> dict[str, Any]:
+def _random_config(shape: Shape) -> dict[str, Any]:
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -339,7 +384,7 @@ def _random_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: fill[kind](shape).astype(np.float32) for name, shape, kind in shapes}
 
 
-def _build_random(shape: _QwenShape, out: pathlib.Path) -> None:
+def _build_random(shape: Shape, out: pathlib.Path) -> None:
     from safetensors.numpy import save_file
 
     config = _random_config(shape)

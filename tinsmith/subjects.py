@@ -62,12 +62,12 @@ AGGREGATES = ("session", "run", "sampler")
 
 # Ids become subject tokens, so they exclude ".", "*", ">" and whitespace. The SDK builds run ids
 # itself as "<session_id>:train:<n>", so ":" is allowed.
-_ID = re.compile(r"^[A-Za-z0-9_:\-]{1,200}$")
+_ID = re.compile(r"[A-Za-z0-9_:\-]{1,200}")
 
 
 def check_id(what: str, value: str) -> str:
     """Return ``value`` when it is safe as a subject token, else raise InvalidRequest."""
-    if not isinstance(value, str) or not _ID.match(value):
+    if not isinstance(value, str) or not _ID.fullmatch(value):
         raise InvalidRequest(
             f"{what} {value!r} is not a valid id: use 1-200 characters from A-Z, a-z, 0-9, '_', "
             "'-' and ':'"

@@ -8,6 +8,7 @@ the services that use torch. All byte buffers are raw little-endian numpy arrays
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,9 @@ _WIRE = {
     np.dtype("<i4"): tp.DTYPE_INT32,
 }
 _JSON_DTYPES: dict[str, np.dtype[Any]] = {"float32": np.dtype("<f4"), "int64": np.dtype("<i8")}
+# The most cells a decoded tensor may have (a sparse one's declared shape included): far beyond
+# what a request's loss inputs or target ids need (tokens x K), and 64 MiB of float32 at most.
+MAX_CELLS = 1 << 24
 
 
 def tokens_from_bytes(data: bytes) -> npt.NDArray[np.int32]:
@@ -57,64 +61,40 @@ def model_input_tokens(chunks: Sequence[tp.Chunk]) -> npt.NDArray[np.int32]:
 
 def decode_tensor(tensor: tp.Tensor, what: str) -> npt.NDArray[Any]:
     """A wire ``Tensor`` as a dense numpy array with its declared shape."""
-    dtype = _NUMPY.get(tensor.dtype)
-    if dtype is None:
-        raise InvalidRequest(f"{what} has dtype {tensor.dtype}; accepted are float32, int64, int32")
-    shape = tuple(int(d) for d in tensor.shape)
+    dtype = _dtype(tensor, what)
     encoding = tensor.WhichOneof("encoding")
     if encoding == "sparse_csr":
-        csr = tensor.sparse_csr
-        values = _frombuffer(csr.values, dtype, what)
-        crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), what)
-        cols = _frombuffer(csr.col_indices, np.dtype("<i8"), what)
-        if len(shape) != 2 or len(crow) != shape[0] + 1 or len(cols) != len(values):
-            raise InvalidRequest(f"{what} is a malformed sparse CSR tensor of shape {list(shape)}")
-        dense = np.zeros(shape, dtype=dtype)
-        rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+        rows, cols, values = sparse_cells(tensor, what)
+        dense = np.zeros(_shape(tensor.shape, what), dtype=dtype)
         dense[rows, cols] = values
         return dense
     values = _frombuffer(tensor.dense, dtype, what)
-    if not shape:
-        shape = (len(values),)
-    if int(np.prod(shape)) != len(values):
+    shape = _shape(tensor.shape or [len(values)], what)
+    if math.prod(shape) != len(values):
         raise InvalidRequest(f"{what} has {len(values)} values but shape {list(shape)}")
     return values.reshape(shape)
 
 
-def tensor_from_json(data: Mapping[str, Any], what: str) -> npt.NDArray[Any]:
-    """The JSON ``TensorData`` form (``{"data", "dtype", "shape", sparse indices...}``)."""
-    dtype = _JSON_DTYPES.get(str(data.get("dtype")))
-    if dtype is None:
-        raise InvalidRequest(f"{what}.dtype must be 'float32' or 'int64'")
-    values = np.asarray(data.get("data", []), dtype=dtype)
-    shape = tuple(int(d) for d in data.get("shape") or (len(values),))
-    if "sparse_crow_indices" in data:
-        crow = np.asarray(data["sparse_crow_indices"], np.int64)
-        cols = np.asarray(data.get("sparse_col_indices", []), np.int64)
-        dense: npt.NDArray[Any] = np.zeros(shape, dtype)
-        dense[np.repeat(np.arange(shape[0]), np.diff(crow)), cols] = values
-        return dense
-    reshaped: npt.NDArray[Any] = values.reshape(shape)
-    return reshaped
-
-
 def tensor_proto_from_json(data: Mapping[str, Any], what: str) -> tp.Tensor:
-    """The JSON ``TensorData`` form as a wire ``Tensor`` in the same layout (dense, or sparse
-    CSR, whose absent cells stay absent)."""
+    """The JSON ``TensorData`` form (``{"data", "dtype", "shape", sparse indices...}``, as the
+    SDK writes it) as a wire ``Tensor`` in the same layout (dense, or sparse CSR, whose absent
+    cells stay absent)."""
     dtype = _JSON_DTYPES.get(str(data.get("dtype")))
     if dtype is None:
         raise InvalidRequest(f"{what}.dtype must be 'float32' or 'int64'")
-    try:
-        values = np.asarray(data.get("data", []), dtype=dtype)
-        shape = [int(d) for d in data.get("shape") or (len(values),)]
-        if "sparse_crow_indices" not in data:
-            if int(np.prod(shape)) != len(values):
-                raise InvalidRequest(f"{what} has {len(values)} values but shape {shape}")
-            return tp.Tensor(dense=values.tobytes(), dtype=_WIRE[dtype], shape=shape)
-        crow = np.asarray(data["sparse_crow_indices"], "<i8")
-        cols = np.asarray(data.get("sparse_col_indices", []), "<i8")
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"{what} is not a valid TensorData: {exc}") from exc
+    values = _json_array(data.get("data", []), dtype, f"{what}.data")
+    raw_shape = data.get("shape") or [len(values)]
+    if not isinstance(raw_shape, list):
+        raise InvalidRequest(f"{what}.shape must be a list of sizes")
+    shape = list(_shape(raw_shape, what))
+    if "sparse_crow_indices" not in data:
+        if math.prod(shape) != len(values):
+            raise InvalidRequest(f"{what} has {len(values)} values but shape {shape}")
+        return tp.Tensor(dense=values.tobytes(), dtype=_WIRE[dtype], shape=shape)
+    crow = _json_array(data["sparse_crow_indices"], np.dtype("<i8"), f"{what}.sparse_crow_indices")
+    cols = _json_array(
+        data.get("sparse_col_indices", []), np.dtype("<i8"), f"{what}.sparse_col_indices"
+    )
     csr = tp.SparseCsr(
         values=values.tobytes(), crow_indices=crow.tobytes(), col_indices=cols.tobytes()
     )
@@ -128,16 +108,14 @@ def sparse_cells(
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[Any]]:
     """The (row, column, value) of every cell a 2-D tensor stores: all of a dense one's, the
     present ones of a CSR one's."""
-    shape = tuple(int(d) for d in tensor.shape)
+    shape = _shape(tensor.shape, what)
     if len(shape) != 2:
         raise InvalidRequest(f"{what} must be 2-D, got shape {list(shape)}")
     if tensor.WhichOneof("encoding") != "sparse_csr":
         dense = decode_tensor(tensor, what)
         rows, cols = np.indices(shape).reshape(2, -1)
         return rows.astype(np.int64), cols.astype(np.int64), dense.reshape(-1)
-    dtype = _NUMPY.get(tensor.dtype)
-    if dtype is None:
-        raise InvalidRequest(f"{what} has dtype {tensor.dtype}; accepted are float32, int64, int32")
+    dtype = _dtype(tensor, what)
     csr = tensor.sparse_csr
     values = _frombuffer(csr.values, dtype, what)
     crow = _frombuffer(csr.crow_indices, np.dtype("<i8"), what)
@@ -181,6 +159,44 @@ def unbatch(tensor: tp.BatchedTensor) -> list[npt.NDArray[Any]]:
         flat = np.frombuffer(tensor.data[start:end], dtype)
         out.append(flat.reshape((-1, *trailing)) if trailing else flat)
     return out
+
+
+def _dtype(tensor: tp.Tensor, what: str) -> np.dtype[Any]:
+    dtype = _NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidRequest(f"{what} has dtype {tensor.dtype}; accepted are float32, int64, int32")
+    return dtype
+
+
+def _shape(sizes: Iterable[object], what: str) -> tuple[int, ...]:
+    """A declared shape, refused unless every size is a non-negative integer and the whole
+    holds at most ``MAX_CELLS`` cells (a sparse tensor's shape costs memory once dense)."""
+    shape = []
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int | np.integer) or size < 0:
+            raise InvalidRequest(
+                f"{what} has shape {list(sizes)!r:.200}; sizes must be non-negative integers"
+            )
+        shape.append(int(size))
+    if len(shape) > 8 or math.prod(shape) > MAX_CELLS:
+        raise InvalidRequest(
+            f"{what} has shape {shape!r:.200}: at most 8 dimensions and {MAX_CELLS} cells"
+        )
+    return tuple(shape)
+
+
+def _json_array(data: object, dtype: np.dtype[Any], what: str) -> npt.NDArray[Any]:
+    """A JSON list of numbers as a 1-D array of ``dtype``; anything else (nested lists, strings,
+    integers beyond the dtype, non-finite floats) is refused."""
+    if not isinstance(data, list) or len(data) > MAX_CELLS:
+        raise InvalidRequest(f"{what} must be a flat list of at most {MAX_CELLS} numbers")
+    try:
+        array = np.asarray(data, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidRequest(f"{what} must be a flat list of {dtype.name} numbers: {exc}") from exc
+    if array.ndim != 1 or (array.dtype.kind == "f" and not np.isfinite(array).all()):
+        raise InvalidRequest(f"{what} must be a flat list of finite {dtype.name} numbers")
+    return array
 
 
 def _frombuffer(data: bytes, dtype: np.dtype[Any], what: str) -> npt.NDArray[Any]:
