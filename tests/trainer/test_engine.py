@@ -1,6 +1,11 @@
-"""The trainer engine in-process on tinsmith/tiny: optim_step is AdamW exactly, per run."""
+"""The trainer engine in-process on tinsmith/tiny: optim_step is AdamW exactly, per run, and a
+request that fails (raising midway, or with a non-finite loss, gradients or update) leaves its run
+exactly as it was."""
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +15,7 @@ from services.trainer.engine import TrainerEngine
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import InvalidRequest, Unprocessable
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +85,140 @@ def test_runs_keep_their_own_gradients(engine: TrainerEngine) -> None:
         sorted(mine.items()), sorted(engine.runs["alone"].params.items()), strict=True
     ):
         torch.testing.assert_close(g, alone.grad)
+
+
+# -- a request that fails leaves its run as it was ----------------------------------------------
+
+ADAM = bus.AdamParams(
+    learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0
+)
+
+
+def _rl_request(seed: int, loss_fn: str, sampling_logprob: float) -> tp.ForwardBackwardRequest:
+    """An RL batch whose sampler logprobs are all ``sampling_logprob``, every advantage 1."""
+    request = _request(seed)
+    request.loss_fn = loss_fn
+    for datum in request.data:
+        n = datum.loss_fn_inputs["target_tokens"].shape[0]
+        for key, value in (("logprobs", sampling_logprob), ("advantages", 1.0)):
+            datum.loss_fn_inputs[key].CopyFrom(
+                tp.Tensor(
+                    dense=np.full(n, value, "<f4").tobytes(), dtype=tp.DTYPE_FLOAT32, shape=[n]
+                )
+            )
+    return request
+
+
+def _out_of_vocabulary(seed: int) -> tp.ForwardBackwardRequest:
+    """A batch whose forward pass runs and whose loss then raises (a target id past the vocab)."""
+    request = _request(seed)
+    target = request.data[1].loss_fn_inputs["target_tokens"]
+    target.dense = np.full(target.shape[0], 10**6, "<i8").tobytes()
+    return request
+
+
+def _weights(engine: TrainerEngine, model_id: str) -> dict[str, torch.Tensor | None]:
+    """The run's adapter tensors, by names that do not name the run."""
+    run = engine.runs[model_id]
+    return {n.replace(run.adapter, "run"): p.detach().clone() for n, p in run.params.items()}
+
+
+def _grads(engine: TrainerEngine, model_id: str) -> dict[str, torch.Tensor | None]:
+    run = engine.runs[model_id]
+    return {
+        n.replace(run.adapter, "run"): None if p.grad is None else p.grad.clone()
+        for n, p in run.params.items()
+    }
+
+
+def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:
+    """Bit for bit (NaNs nowhere: a NaN would make this false, as it should)."""
+    assert a.keys() == b.keys()
+    return all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+        for x, y in ((a[k], b[k]) for k in a)
+    )
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "detail"),
+    [
+        (_rl_request(7, "importance_sampling", -1e30), Unprocessable, "importance ratio"),
+        (_rl_request(7, "ppo", -1e30), Unprocessable, "gradients of this batch are not finite"),
+        (_out_of_vocabulary(7), InvalidRequest, "outside the model's vocabulary"),
+    ],
+    ids=["non-finite-loss", "non-finite-gradients", "raises-after-the-forward-pass"],
+)
+def test_a_failed_forward_backward_leaves_the_accumulated_gradients_exactly(
+    engine: TrainerEngine, bad: tp.ForwardBackwardRequest, error: type[Exception], detail: str
+) -> None:
+    hit, clean = f"hit-{detail}", f"clean-{detail}"
+    for model_id in (hit, clean):
+        _create(engine, model_id)
+        engine.forward_backward(model_id, _request(0))
+    before = _grads(engine, hit)
+
+    with pytest.raises(error, match=detail):
+        engine.forward_backward(hit, bad)
+
+    assert _same(_grads(engine, hit), before)
+    for model_id in (hit, clean):
+        engine.forward_backward(model_id, _request(1))
+        engine.optim_step(model_id, ADAM)
+    assert _same(_weights(engine, hit), _weights(engine, clean))  # as if it never came
+
+
+@pytest.mark.parametrize("learning_rate", [math.inf, 1e39, 1e38])
+def test_an_optim_step_that_would_make_the_weights_non_finite_is_refused(
+    engine: TrainerEngine, learning_rate: float
+) -> None:
+    hit, clean = f"step-hit-{learning_rate}", f"step-clean-{learning_rate}"
+    for model_id in (hit, clean):
+        _create(engine, model_id)
+        engine.forward_backward(model_id, _request(0))
+        engine.optim_step(model_id, ADAM)  # so that AdamW has state to keep
+        engine.forward_backward(model_id, _request(1))
+    optimizer = engine.runs[hit].optimizer
+    state = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    weights, grads = _weights(engine, hit), _grads(engine, hit)
+    huge = bus.AdamParams()
+    huge.CopyFrom(ADAM)
+    huge.learning_rate = learning_rate
+
+    with pytest.raises(Unprocessable, match="non-finite: the learning rate"):
+        engine.optim_step(hit, huge)
+
+    assert _same(_weights(engine, hit), weights)
+    assert _same(_grads(engine, hit), grads)  # not even clipped
+    assert optimizer.state.keys() == state.keys()
+    for param, saved in state.items():
+        assert all(torch.equal(optimizer.state[param][k], v) for k, v in saved.items())
+    for model_id in (hit, clean):
+        engine.optim_step(model_id, ADAM)
+        engine.forward_backward(model_id, _request(2))
+        engine.optim_step(model_id, ADAM)
+    assert _same(_weights(engine, hit), _weights(engine, clean))
+
+
+def test_a_checkpoint_that_does_not_fit_leaves_the_run_as_it_was(
+    engine: TrainerEngine, tmp_path: Path
+) -> None:
+    """A checkpoint of attention-only LoRA loaded into a run that also trains the MLP: PEFT
+    loads the tensors it has before the missing ones are noticed; they are put back."""
+    lora = bus.LoraConfig(rank=4, seed=2, train_attn=True)
+    engine.create_run("attn-only", bus.CreateModel(base_model="tinsmith/tiny", lora=lora))
+    engine.export("attn-only", tmp_path, with_optimizer=True)
+    _create(engine, "everywhere")
+    engine.forward_backward("everywhere", _request(0))
+    engine.optim_step("everywhere", ADAM)
+    weights = _weights(engine, "everywhere")
+
+    with pytest.raises(InvalidRequest, match="does not fit this run"):
+        engine.load("everywhere", tmp_path, with_optimizer=True)
+    assert _same(_weights(engine, "everywhere"), weights)
+
+    create = bus.CreateModel(base_model="tinsmith/tiny", lora=lora, load_optimizer=True)
+    create.lora.train_mlp = True
+    with pytest.raises(InvalidRequest, match="does not fit this run"):
+        engine.create_run("from-it", create, tmp_path)
+    assert "from-it" not in engine.runs  # a run whose checkpoint does not load is not created
