@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tinsmith import events, jobs
 from tinsmith._proto import bus_pb2 as bus
-from tinsmith.bus import MAX_RESULT_BYTES
+from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
 
 
@@ -71,4 +71,4 @@ async def test_a_result_too_large_to_store_fails_its_request_with_the_limit(
     assert request.status is jobs.Status.FAILED
     assert request.error_kind == "invalid_request"
     assert "9.0 MiB" in request.error_detail
-    assert f"{MAX_RESULT_BYTES / 2**20:.1f} MiB" in request.error_detail
+    assert f"{MAX_BODY_BYTES / 2**20:.1f} MiB" in request.error_detail

@@ -136,3 +136,19 @@ def test_a_cancellation_and_a_completion_the_first_wins() -> None:
     assert late_completion.error_kind == "cancelled"
     late_cancel = _sample_log(done, _cancelled()).requests["S:sample:0:0"]
     assert (late_cancel.status, late_cancel.result_seq) == (jobs.Status.COMPLETED, 7)
+
+
+def test_a_runs_next_seq_id_moves_past_accepted_and_rejected_ones_in_a_row() -> None:
+    """The gateway refuses requests too far ahead of it: the SDK's chunks arrive out of order,
+    and a rejected seq_id is spent like an accepted one."""
+    rejected = events.make(
+        request_rejected=bus.RequestRejected(aggregate_id=RUN, seq_id=3, kind="k", detail="d")
+    )
+    state = _replay([*LOG[:3], _accepted(5, optim_step=bus.OptimStep()), rejected])
+    run = state.runs[RUN]
+    assert (run.next_seq_id, run.spent_ahead) == (1, frozenset({3, 5}))
+    state.apply(10, _accepted(1, optim_step=bus.OptimStep()))
+    state.apply(11, _accepted(2, optim_step=bus.OptimStep()))
+    run = state.runs[RUN]
+    assert (run.next_seq_id, run.spent_ahead) == (4, frozenset({5}))
+    assert state.rejections[f"{RUN}:3"].detail == "d"

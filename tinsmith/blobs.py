@@ -222,7 +222,8 @@ class BlobStore:
             raise InvalidRequest(
                 "the download URL has expired; ask for new ones with get_external_weights_urls"
             )
-        if not hmac.compare_digest(self._signature(path, deadline), signature):
+        expected = self._signature(path, deadline).encode()
+        if not hmac.compare_digest(expected, signature.encode("utf-8", "replace")):
             raise InvalidRequest("the download URL's signature is not valid")
         return f"{self.root}/{path}"
 

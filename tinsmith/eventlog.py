@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from tinsmith import events, jobs, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
-from tinsmith.bus import MAX_RESULT_BYTES, Bus
+from tinsmith.bus import MAX_BODY_BYTES, Bus
 from tinsmith.failures import Cancelled, InternalError, InvalidRequest, TinsmithError
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,11 @@ class EventLog:
 
     async def put_result(self, request_id: str, body: bytes, media_type: str) -> int:
         """Store a result, tagged with its media type; return its sequence in the results stream.
-        A result over ``MAX_RESULT_BYTES`` is refused (``ResultTooLarge``) before it is sent."""
-        if len(body) > MAX_RESULT_BYTES:
+        A result over ``MAX_BODY_BYTES`` is refused (``ResultTooLarge``) before it is sent."""
+        if len(body) > MAX_BODY_BYTES:
             raise ResultTooLarge(
                 f"the result of request {request_id} is {len(body) / 2**20:.1f} MiB; a result is "
-                f"stored as one message of at most {MAX_RESULT_BYTES / 2**20:.1f} MiB: ask for "
+                f"stored as one message of at most {MAX_BODY_BYTES / 2**20:.1f} MiB: ask for "
                 "less in one request (fewer samples or datums, fewer tokens, a smaller top-k)"
             )
         ack = await self.bus.publish(

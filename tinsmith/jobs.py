@@ -61,6 +61,10 @@ class RunState:
     ready: bool = False
     tokenizer_id: str = ""
     last_seq_id: int = 0
+    # The lowest seq_id not yet spent (accepted or rejected), and those above it already spent:
+    # how far ahead of the run's queue a new request is.
+    next_seq_id: int = 1
+    spent_ahead: frozenset[int] = frozenset()
     last_request_time: float = 0.0
     last_checkpoint: str = ""  # tinker:// path of the newest training checkpoint
     last_sampler_checkpoint: str = ""
@@ -150,11 +154,16 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
                 last_request_time=event.time,
             )
         if state is not None:
-            return replace(
-                state,
-                last_seq_id=max(state.last_seq_id, accepted.seq_id),
-                last_request_time=event.time,
+            return _spend(
+                replace(
+                    state,
+                    last_seq_id=max(state.last_seq_id, accepted.seq_id),
+                    last_request_time=event.time,
+                ),
+                accepted.seq_id,
             )
+    if state is not None and kind == "request_rejected":
+        return _spend(state, event.request_rejected.seq_id)
     if state is not None and kind == "run_created":
         return replace(state, ready=True, tokenizer_id=event.run_created.tokenizer_id)
     if state is not None and kind == "weights_saved":
@@ -174,6 +183,19 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
     if state is not None and kind == "run_restored":
         return replace(state, snapshot=None)
     return state
+
+
+def _spend(state: RunState, seq_id: int) -> RunState:
+    """The run with ``seq_id`` spent: the next one moves past every spent seq_id in a row."""
+    if seq_id < state.next_seq_id or seq_id in state.spent_ahead:
+        return state
+    ahead = set(state.spent_ahead)
+    ahead.add(seq_id)
+    next_seq_id = state.next_seq_id
+    while next_seq_id in ahead:
+        ahead.discard(next_seq_id)
+        next_seq_id += 1
+    return replace(state, next_seq_id=next_seq_id, spent_ahead=frozenset(ahead))
 
 
 def evolve_sampler(state: SamplerState | None, event: bus.Event) -> SamplerState | None:
@@ -197,6 +219,9 @@ class Projection:
     runs: dict[str, RunState] = field(default_factory=dict)
     samplers: dict[str, SamplerState] = field(default_factory=dict)
     requests: dict[str, RequestState] = field(default_factory=dict)
+    # Requests the gateway refused after their seq_id was spent, by request id: a repeat of one
+    # gets the same answer.
+    rejections: dict[str, bus.RequestRejected] = field(default_factory=dict)
     checkpoints: dict[str, bus.WeightsSaved] = field(default_factory=dict)
     saved_at: dict[str, float] = field(default_factory=dict)  # tinker path -> event time
     # Requests accepted and not yet settled: the depth of the samplers' shared queue, and of
@@ -226,6 +251,8 @@ class Projection:
                     else:
                         self.pending_training += change
             agg = body.aggregate_id
+            if kind == "request_rejected":
+                self.rejections.setdefault(events.request_id(agg, body.seq_id), body)
             _put(self.runs, agg, evolve_run(self.runs.get(agg), event))
             if kind == "request_accepted" and body.HasField("create_model"):
                 sid = body.create_model.session_id

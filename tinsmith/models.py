@@ -140,27 +140,32 @@ def _local_spec(name: str, path: pathlib.Path) -> ModelSpec:
     config = json.loads((path / "config.json").read_text())
     text = config.get("text_config") or {}
 
-    def field(key: str, default: object = None) -> Any:
-        value = config.get(key, text.get(key, default))
-        if value is None:
-            raise KeyError(key)
-        return value
+    def field(*keys: str, default: object = None) -> Any:
+        """The first of ``keys`` the config (or its text_config) has: configs name the sizes
+        either way (hidden_size or n_embd, num_hidden_layers or n_layer, ...)."""
+        for key in keys:
+            value = config.get(key, text.get(key))
+            if value is not None:
+                return value
+        if default is None:
+            raise KeyError(keys[0])
+        return default
 
-    hidden = int(field("hidden_size"))
-    heads = int(field("num_attention_heads"))
+    hidden = int(field("hidden_size", "n_embd", "d_model"))
+    heads = int(field("num_attention_heads", "n_head", "num_heads"))
     shape = Shape(
         hidden_size=hidden,
-        intermediate_size=int(field("intermediate_size", 4 * hidden)),
-        num_hidden_layers=int(field("num_hidden_layers")),
+        intermediate_size=int(field("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden)),
+        num_hidden_layers=int(field("num_hidden_layers", "n_layer", "num_layers")),
         num_attention_heads=heads,
-        num_key_value_heads=int(field("num_key_value_heads", heads)),
-        head_dim=int(field("head_dim", 0) or 0),
+        num_key_value_heads=int(field("num_key_value_heads", default=heads)),
+        head_dim=int(field("head_dim", default=0)),
     )
     return ModelSpec(
         name=name,
-        arch=str(field("model_type", "unknown")),
-        vocab_size=int(field("vocab_size", 0)),
-        max_context_length=int(field("max_position_embeddings", 2048)),
+        arch=str(field("model_type", default="unknown")),
+        vocab_size=int(field("vocab_size", default=0)),
+        max_context_length=int(field("max_position_embeddings", "n_positions", default=2048)),
         shape=shape,
         source="local",
         location=str(path.resolve()),

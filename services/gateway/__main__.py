@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
-
 from tinsmith import runtime
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog
 
-from . import grpc_face
+from . import grpc_face, http
 from .config import GatewayConfig
 from .handlers import Gateway
-from .http import build_app
 from .rest import Rest
 
 
@@ -27,15 +24,13 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = GatewayConfig.from_env()
     gateway = Gateway(config, EventLog(bus))
     await gateway.start()
-    rest = Rest(bus, BlobStore(config.blob_url) if config.blob_url else None)
-    runner = web.AppRunner(build_app(gateway, rest), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, config.host, config.port).start()
+    rest = Rest(bus, BlobStore(config.blob_url) if config.blob_url else None, config)
+    stop_http = await http.serve(http.build_app(gateway, rest), config.host, config.port)
     stop_grpc = await grpc_face.serve(gateway, rest, config)
 
     async def stop() -> None:
         await stop_grpc()
-        await runner.cleanup()
+        await stop_http()
 
     return stop
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tinsmith.limits import Limits
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,12 @@ class GatewayConfig:
     # request becomes one NATS message (8 MiB at most, with its envelope), hence 7 MiB.
     grpc_port: int = 8001
     grpc_max_message_bytes: int = 7 * 1024 * 1024
+    # The gateway's URL as clients reach it, for the download URLs it signs (file:// stores).
+    # Empty: http://<host>:<port>, or, when the gateway listens on every interface, the
+    # request's Host header if it is a well-formed host[:port].
+    public_url: str = ""
+    # The bounds every request is checked against before it is accepted.
+    limits: Limits = field(default_factory=Limits)
 
     @classmethod
     def from_env(cls) -> GatewayConfig:
@@ -37,4 +45,6 @@ class GatewayConfig:
             ),
             blob_url=os.environ.get("TINSMITH_BLOB_URL", ""),
             grpc_port=int(os.environ.get("TINSMITH_GRPC_PORT", cls.grpc_port)),
+            public_url=os.environ.get("TINSMITH_PUBLIC_URL", "").rstrip("/"),
+            limits=Limits.from_env(),
         )

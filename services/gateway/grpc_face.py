@@ -55,6 +55,14 @@ _DEADLINE = "its gRPC call's deadline passed before it finished"
 _CLIENT = "its gRPC client cancelled the call"
 
 
+class _Undecodable:
+    """What the deserializer hands a method whose request bytes are not its message: the method
+    answers INVALID_ARGUMENT (gRPC itself would answer UNKNOWN or INTERNAL)."""
+
+    def __init__(self, message: str, error: Exception) -> None:
+        self.detail = f"the request is not a valid {message} message: {str(error)[:200]}"
+
+
 class _DeadlinePassed(Exception):
     """A sample call's deadline passed: DEADLINE_EXCEEDED, saying what became of the request."""
 
@@ -385,7 +393,10 @@ def _method(fn: Method, name: str) -> Method:
         attributes = {"rpc.system": "grpc", "rpc.method": name}
         with telemetry.serve_call("grpc", name, metadata, attributes) as traced:
             try:
-                response, code, detail = await _answer(fn, request, context)
+                if isinstance(request, _Undecodable):
+                    response, code, detail = None, grpc.StatusCode.INVALID_ARGUMENT, request.detail
+                else:
+                    response, code, detail = await _answer(fn, request, context)
             except asyncio.CancelledError:  # the call ended under it: the client went away
                 expired = _expired(context)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -444,10 +455,20 @@ def _handlers(face: GrpcFace, service: str) -> Any:
         )
         handlers[method.name] = kind(
             _method(getattr(face, method.name), f"/{descriptor.full_name}/{method.name}"),
-            request_deserializer=request_class.FromString,
+            request_deserializer=_deserializer(request_class),
             response_serializer=_serialize,
         )
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
+
+
+def _deserializer(message: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def parse(data: bytes) -> Message | _Undecodable:
+        try:
+            return message.FromString(data)
+        except Exception as exc:  # DecodeError, and RecursionError for deep nesting
+            return _Undecodable(message.DESCRIPTOR.full_name, exc)
+
+    return parse
 
 
 def _serialize(message: Message) -> bytes:

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from tinsmith import artifacts, events, jobs, losses, models, subjects, telemetry
+from tinsmith import artifacts, events, jobs, limits, losses, models, subjects, telemetry
 from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.eventlog import EventLog, FollowedProjection
 from tinsmith.failures import (
+    InternalError,
     InvalidRequest,
     NotFound,
     Overloaded,
@@ -31,13 +35,16 @@ from tinsmith.failures import (
     from_kind,
     future_failure,
 )
-from tinsmith.limits import MAX_TOPK_LOGPROBS
+from tinsmith.limits import INT32_MAX, MAX_NUM_SAMPLES, MAX_TOPK_LOGPROBS, mib
 from tinsmith.tensors import decode_tensor, model_input_tokens
 
 from . import wire
 from .config import GatewayConfig
 
+log = logging.getLogger(__name__)
+
 JsonDict = dict[str, Any]
+Command = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
 
 
 class Gateway:
@@ -107,6 +114,14 @@ class Gateway:
             display_name=wire.opt_str(body, "display_name") or "",
             sdk_version=wire.opt_str(body, "sdk_version") or "",
         )
+        wire.check_metadata(
+            self.config.limits.max_metadata_bytes,
+            created.tags,
+            dict(created.user_metadata),
+            created.project_id,
+            created.display_name,
+            created.sdk_version,
+        )
         await self._append(events.make(session_created=created), aggregate="session")
         return {"type": "create_session", "session_id": session_id}
 
@@ -133,7 +148,7 @@ class Gateway:
         if future:
             return future
         spec = models.get(wire.req_str(body, "base_model"))
-        lora = wire.lora_config(body.get("lora_config"))
+        lora = wire.lora_config(body.get("lora_config"), self.config.limits.max_lora_rank)
         lora_layout.target_modules(
             spec.arch, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed
         )
@@ -148,7 +163,7 @@ class Gateway:
             base_model=spec.name,
             lora=lora,
             optimizer="adamw",
-            user_metadata=wire.str_map(body, "user_metadata"),
+            user_metadata=self._user_metadata(body),
         )
         return await self._accept_new_run(model_id, command)
 
@@ -160,24 +175,21 @@ class Gateway:
         with_optimizer = bool(body.get("optimizer", False))
         if body.get("model_id"):
             run = self._run(wire.req_str(body, "model_id"))
-            seq_id = wire.req_int(body, "seq_id", minimum=1)
-            future = self._existing(run.model_id, seq_id)
-            if future:
-                return future
-            try:
+            seq_id = wire.req_int(body, "seq_id", minimum=1, maximum=INT32_MAX)
+
+            async def load() -> dict[str, Any]:
                 checkpoint = await self._loadable(path, with_optimizer, run.base_model)
                 if checkpoint.lora_rank != run.lora_rank:
                     raise InvalidRequest(
                         f"{path} has LoRA rank {checkpoint.lora_rank}, the run has rank "
                         f"{run.lora_rank}; create a new client from it instead"
                     )
-            except TinsmithError as error:
-                await self._reject(run.model_id, seq_id, error)
-                raise
-            load = bus.LoadWeights(
-                path=path, blob_key=checkpoint.blob_key, optimizer=with_optimizer
-            )
-            return await self._submit(run, seq_id, lambda: {"load_weights": load})
+                command = bus.LoadWeights(
+                    path=path, blob_key=checkpoint.blob_key, optimizer=with_optimizer
+                )
+                return {"load_weights": command}
+
+            return await self._submit(run, seq_id, load)
         session, model_id, future = self._new_run(body)
         if future:
             return future
@@ -194,7 +206,7 @@ class Gateway:
             base_model=checkpoint.base_model,
             lora=lora,
             optimizer="adamw",
-            user_metadata=wire.str_map(body, "user_metadata") or dict(checkpoint.user_metadata),
+            user_metadata=self._user_metadata(body) or dict(checkpoint.user_metadata),
             load_key=checkpoint.blob_key,
             load_optimizer=with_optimizer,
             load_path=path,
@@ -242,6 +254,7 @@ class Gateway:
         run = self._run(request.model_id)
         if request.seq_id < 1:
             raise InvalidRequest(f"seq_id must be >= 1 for forward_backward, got {request.seq_id}")
+        request.model_id = run.model_id
 
         def command() -> dict[str, Any]:
             self._check_forward_backward(run, request)
@@ -256,9 +269,11 @@ class Gateway:
         if not request.data:
             raise InvalidRequest("forward_backward needs at least one datum")
         spec = models.get(run.base_model)
+        lengths = []
         for i, datum in enumerate(request.data):
             tokens = model_input_tokens(datum.model_input)
             n = len(tokens)
+            lengths.append(n)
             if n == 0:
                 raise InvalidRequest(f"datum {i} has an empty model_input")
             if n > spec.max_context_length:
@@ -273,10 +288,28 @@ class Gateway:
             }
             losses.check_inputs(request.loss_fn, inputs, n, i)
             wire.check_vocab(inputs["target_tokens"], spec.vocab_size, f"datum {i} target_tokens")
+        self._check_train_memory(spec, lengths, backward=not request.forward_only)
+
+    def _check_train_memory(
+        self, spec: models.ModelSpec, lengths: list[int], *, backward: bool
+    ) -> None:
+        """Refuse a request whose activations would not fit the trainer's memory budget."""
+        budget = self.config.limits.train_memory_mb << 20
+        need = limits.train_bytes(spec.shape, spec.vocab_size, lengths, backward=backward)
+        if need <= budget:
+            return
+        per_token = limits.train_bytes(spec.shape, spec.vocab_size, [1], backward=backward)
+        op = "forward_backward" if backward else "forward"
+        raise InvalidRequest(
+            f"this {op} needs about {mib(need)} of activation memory ({sum(lengths)} tokens in "
+            f"{len(lengths)} datums of {spec.name}); the trainer's budget for one request is "
+            f"{mib(budget)} (TINSMITH_TRAIN_MEMORY_MB), about {budget // per_token} tokens of "
+            "this model: send fewer or shorter datums per call"
+        )
 
     async def optim_step(self, body: JsonDict) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))
-        seq_id = wire.req_int(body, "seq_id", minimum=1)
+        seq_id = wire.req_int(body, "seq_id", minimum=1, maximum=INT32_MAX)
         return await self._submit(
             run,
             seq_id,
@@ -287,7 +320,7 @@ class Gateway:
         self, body: JsonDict, *, for_sampler: bool = False, external: bool = False
     ) -> JsonDict:
         run = self._run(wire.req_str(body, "model_id"))
-        seq_id = wire.req_int(body, "seq_id", minimum=1)
+        seq_id = wire.req_int(body, "seq_id", minimum=1, maximum=INT32_MAX)
         if external:
             kind = bus.CHECKPOINT_KIND_EXTERNAL
         else:
@@ -306,7 +339,7 @@ class Gateway:
                 "age_encryption_recipients is not supported: external weights are stored "
                 "unencrypted; leave it out"
             )
-        command = bus.SaveWeights(kind=kind, user_metadata=wire.str_map(body, "user_metadata"))
+        command = bus.SaveWeights(kind=kind, user_metadata=self._user_metadata(body))
         ttl = body.get("ttl_seconds")
         if ttl is not None:
             command.ttl_seconds = wire.req_int(body, "ttl_seconds", minimum=1)
@@ -318,7 +351,7 @@ class Gateway:
                     raise InvalidRequest(f"checkpoint {path} already exists; pass overwrite=True")
                 command.blob_key = path.overwrite_key(seq_id)  # never rewritten in place
         elif for_sampler:
-            counter = wire.req_int(body, "sampling_session_seq_id", minimum=0)
+            counter = wire.req_int(body, "sampling_session_seq_id", minimum=0, maximum=INT32_MAX)
             command.sampler_id = subjects.check_id(
                 "sampler id", f"{run.session_id}:sample:{counter}"
             )
@@ -330,7 +363,7 @@ class Gateway:
 
     async def create_sampling_session(self, body: JsonDict) -> JsonDict:
         session = self._session(wire.req_str(body, "session_id"))
-        counter = wire.req_int(body, "sampling_session_seq_id", minimum=0)
+        counter = wire.req_int(body, "sampling_session_seq_id", minimum=0, maximum=INT32_MAX)
         sampler_id = subjects.check_id("sampler id", f"{session.session_id}:sample:{counter}")
         if sampler_id in self.state.samplers:
             return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
@@ -366,7 +399,7 @@ class Gateway:
         as they are generated (for ``watch``); a repeat of a request accepted before keeps how
         that one was accepted."""
         sampler = self._sampler(wire.req_str(body, "sampling_session_id"))
-        seq_id = wire.req_int(body, "seq_id", minimum=0)
+        seq_id = wire.req_int(body, "seq_id", minimum=0, maximum=limits.INT64_MAX)
         request_id = events.request_id(sampler.sampler_id, seq_id)
         command = self._sample_command(sampler, body)
         if stream:
@@ -395,7 +428,7 @@ class Gateway:
             raise InvalidRequest("prompt must contain at least one token")
         wire.check_vocab(prompt, spec.vocab_size, "prompt")
         params = wire.sampling_params(body.get("sampling_params"), spec.vocab_size)
-        num_samples = wire.req_int(body, "num_samples", minimum=1, default=1, maximum=1024)
+        num_samples = wire.sample_count(body, MAX_NUM_SAMPLES)
         if len(prompt) + params.max_tokens > spec.max_context_length:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
@@ -425,8 +458,73 @@ class Gateway:
             )
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None:
-            command.prompt_logprobs_last_n = wire.req_int(body, "prompt_logprobs_last_n", minimum=0)
+            command.prompt_logprobs_last_n = wire.req_int(
+                body, "prompt_logprobs_last_n", minimum=0, maximum=INT32_MAX
+            )
+        self._check_sample_cost(spec, command)
         return command
+
+    def _check_sample_cost(self, spec: models.ModelSpec, command: bus.Sample) -> None:
+        """Refuse a sample request that would take more of the sampler than one request may,
+        or whose result could not be stored, before it is accepted."""
+        bounds = self.config.limits
+        prompt, max_tokens = len(command.prompt), command.params.max_tokens
+        n = command.num_samples
+        tokens = n * (prompt + max_tokens)
+        if tokens > bounds.sample_max_tokens:
+            raise InvalidRequest(
+                f"num_samples x (prompt + max_tokens) is {n} x ({prompt} + {max_tokens}) = "
+                f"{tokens} tokens; one sample request may ask for at most "
+                f"{bounds.sample_max_tokens} (TINSMITH_SAMPLE_MAX_TOKENS): ask for fewer samples "
+                "or tokens, or send several requests"
+            )
+        wants_prompt = (
+            command.prompt_logprobs
+            or command.topk_prompt_logprobs > 0
+            or command.prompt_alt_tokens_k > 0
+            or command.HasField("target_prompt_logprobs")
+        )
+        memory = limits.sample_bytes(
+            spec.shape,
+            spec.vocab_size,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            num_samples=n,
+            prompt_scores=wants_prompt,
+        )
+        budget = bounds.sample_memory_mb << 20
+        if memory > budget:
+            raise InvalidRequest(
+                f"this sample request needs about {mib(memory)} of the sampler's memory (its KV "
+                f"cache for {n} x ({prompt} + {max_tokens}) tokens of {spec.name}, and its "
+                f"logits); one request may take {mib(budget)} (TINSMITH_SAMPLE_MEMORY_MB): ask "
+                "for fewer samples or tokens"
+            )
+        targets = command.target_prompt_logprobs
+        cells = (
+            len(targets.sparse_csr.col_indices) // 8
+            if targets.WhichOneof("encoding") == "sparse_csr"
+            else int(targets.shape[0]) * int(targets.shape[1])
+            if command.HasField("target_prompt_logprobs")
+            else 0
+        )
+        result = limits.sample_result_bytes(
+            prompt=prompt,
+            max_tokens=max_tokens,
+            num_samples=n,
+            topk_sample=command.topk_sample_logprobs,
+            topk_prompt=command.topk_prompt_logprobs,
+            prompt_logprobs=command.prompt_logprobs,
+            target_cells=cells,
+            alt_tokens_k=command.prompt_alt_tokens_k,
+        )
+        if result > MAX_BODY_BYTES:
+            raise InvalidRequest(
+                f"the result of this sample request could take {mib(result)} ({n} samples x "
+                f"{max_tokens} tokens, top-{command.topk_sample_logprobs} logprobs each); a "
+                f"result is stored as one message of at most {mib(MAX_BODY_BYTES)}: ask for "
+                "fewer samples, tokens or top-k logprobs, or send several requests"
+            )
 
     @contextlib.contextmanager
     def watch(self, request_id: str) -> Iterator[asyncio.Queue[bus.SampleProgress]]:
@@ -506,6 +604,11 @@ class Gateway:
 
     # -- helpers -------------------------------------------------------------------------------
 
+    def _user_metadata(self, body: JsonDict) -> dict[str, str]:
+        metadata = wire.str_map(body, "user_metadata")
+        wire.check_metadata(self.config.limits.max_metadata_bytes, metadata)
+        return metadata
+
     def _session(self, session_id: str) -> jobs.SessionState:
         session = self.state.sessions.get(session_id)
         if session is None:
@@ -538,30 +641,47 @@ class Gateway:
         """The session and model_id of a run being created (the SDK derives the id as
         ``<session_id>:train:<model_seq_id>`` too), and the first future if this is a repeat."""
         session = self._session(wire.req_str(body, "session_id"))
-        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0)
+        model_seq_id = wire.req_int(body, "model_seq_id", minimum=0, maximum=INT32_MAX)
         model_id = subjects.check_id("model_id", f"{session.session_id}:train:{model_seq_id}")
         return session, model_id, self._existing(model_id, 0)
 
     def _existing(self, aggregate_id: str, seq_id: int) -> JsonDict | None:
-        """The first future of a repeated (aggregate, seq_id): the SDK retries submissions."""
+        """The first future of a repeated (aggregate, seq_id): the SDK retries submissions. A
+        repeat of a refused request is refused again, as it was the first time."""
         request_id = events.request_id(aggregate_id, seq_id)
         if request_id in self.state.requests:
             return {"request_id": request_id, "model_id": aggregate_id}
+        rejected = self.state.rejections.get(request_id)
+        if rejected is not None:
+            raise from_kind(rejected.kind, rejected.detail)
         return None
 
-    async def _submit(
-        self, run: jobs.RunState, seq_id: int, command: Callable[[], dict[str, Any]]
-    ) -> JsonDict:
-        """Accept one of a run's requests. A repeated seq_id gets the first future; otherwise
-        ``command()`` validates and builds the command, and a refusal still spends the seq_id."""
+    async def _submit(self, run: jobs.RunState, seq_id: int, command: Command) -> JsonDict:
+        """Accept one of a run's requests. A repeated seq_id gets the first future (or the first
+        refusal); one too far ahead of the run is refused with 429 and may come again later;
+        otherwise ``command()`` validates and builds the command, and a refusal, whatever
+        raised it, spends the seq_id: the run's later requests never wait for it."""
         future = self._existing(run.model_id, seq_id)
         if future:
             return future
+        window = self.config.limits.seq_window
+        if seq_id >= run.next_seq_id + window:
+            raise Overloaded(
+                f"seq_id {seq_id} is {seq_id - run.next_seq_id} ahead of run {run.model_id}'s "
+                f"next request ({run.next_seq_id}); at most {window - 1} ahead are accepted "
+                "(TINSMITH_SEQ_WINDOW): send the earlier ones first"
+            )
         try:
-            fields = command()
+            built = command()
+            fields = await built if inspect.isawaitable(built) else built
         except TinsmithError as error:
             await self._reject(run.model_id, seq_id, error)
             raise
+        except Exception as exc:
+            log.exception("validating request %s of %s failed", seq_id, run.model_id)
+            failure = InternalError(f"validating the request failed inside the gateway: {exc!r}")
+            await self._reject(run.model_id, seq_id, failure)
+            raise failure from exc
         return await self._accept(
             bus.RequestAccepted(
                 request_id=events.request_id(run.model_id, seq_id),

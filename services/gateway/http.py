@@ -1,19 +1,25 @@
 """The Tinker HTTP API (what the official SDK speaks), on aiohttp.
 
-Owns: routes, request bodies in and responses out, and the conversion of errors to HTTP
-(400/404/422 with ``{"detail": ...}``; never an empty 400, never 5xx for a permanent error).
-Does not own: what the operations do (handlers.py).
+Owns: routes, request bodies in and responses out, the HTTP server itself, and the conversion
+of errors to HTTP (400/404/422 with ``{"detail": ...}``; never an empty 400, never 5xx for a
+permanent error). That includes what aiohttp answers by itself: a body over the bus's message
+size is a 413 that says the limit, and a request aiohttp cannot parse is answered in JSON too and
+logged as one line without the bytes it carried (they can hold an API key). Does not own: what
+the operations do (handlers.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_request import BaseRequest
 
 from tinsmith import telemetry
+from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 
 from .handlers import Gateway
@@ -47,6 +53,13 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except web.HTTPRequestEntityTooLarge:
+        detail = (
+            f"{request.method} {request.path}: the body is larger than the {MAX_BODY_BYTES} bytes "
+            "a request may carry (each request travels as one message on the bus): send less "
+            "in one call (the SDK cuts forward_backward batches into chunks by itself)"
+        )
+        return web.json_response({"detail": detail}, status=413)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return web.json_response(
@@ -65,7 +78,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
-    app = web.Application(middlewares=[traced, errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[traced, errors], client_max_size=MAX_BODY_BYTES)
 
     def post(path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any]) -> None:
         async def route(request: web.Request) -> web.StreamResponse:
@@ -129,5 +142,55 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app.router.add_get(API + "/samplers/{id}", get_sampler)
     app.router.add_get(API + "/get_server_capabilities", capabilities)
     app.router.add_get(API + "/healthz", healthz)
-    (rest or Rest(gateway.log.bus, None)).add_routes(app)  # training runs, checkpoints, ...
+    (rest or Rest(gateway.log.bus, None, gateway.config)).add_routes(
+        app
+    )  # training runs, checkpoints, ...
     return app
+
+
+class _Protocol(web.RequestHandler):
+    """aiohttp's connection handler, answering what it cannot parse (a malformed request line
+    or header, a bad chunked body) in JSON with a detail, and logging it as one line: aiohttp's
+    own answer is plain text, and it logs the parser's message, which quotes the header bytes."""
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        kind = type(exc).__name__ if exc is not None else "error"
+        if status >= 500:
+            log.error("HTTP connection from %s failed: %s", request.remote, kind, exc_info=exc)
+            detail = "internal error; see the gateway log"
+        else:
+            log.warning(
+                "refused a malformed HTTP request from %s: %d %s", request.remote, status, kind
+            )
+            reason = getattr(exc, "message", None) or message or kind
+            detail = f"the request is not valid HTTP/1.1 ({kind}): {str(reason)[:200]}"
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response had begun: no error response can follow")
+        response = web.json_response({"detail": detail}, status=status)
+        response.force_close()
+        return response
+
+
+async def serve(app: web.Application, host: str, port: int) -> Callable[[], Awaitable[None]]:
+    """Serve ``app`` on ``host:port``; return its stop function. Like aiohttp's ``TCPSite``,
+    with ``_Protocol`` for each connection."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    manager = runner.server
+    assert manager is not None
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: _Protocol(manager, loop=loop), host, port, reuse_address=True
+    )
+
+    async def stop() -> None:
+        server.close()
+        await runner.cleanup()
+
+    return stop

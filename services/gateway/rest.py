@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from typing import Any
+import re
+from typing import Any, NoReturn
 
 from aiohttp import web
 
@@ -22,9 +23,17 @@ from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.failures import InvalidRequest, NotFound, from_kind
+from tinsmith.limits import INT32_MAX, INT64_MAX
+
+from .config import GatewayConfig
 
 API = "/api/v1"
 _CHECKPOINT = API + "/training_runs/{run}/checkpoints/{segment}/{name}"
+# A Host header the gateway will put into the download URLs it signs: a DNS name, an IPv4
+# address or a bracketed IPv6 address, and a port.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{{1,5}})?")
+_EVERY_INTERFACE = ("", "0.0.0.0", "::")
 
 
 def owner_of(request: web.Request) -> str:
@@ -39,9 +48,10 @@ def owner_of_key(key: str) -> str:
 
 
 class Rest:
-    def __init__(self, bus_: Bus, blobs: BlobStore | None) -> None:
+    def __init__(self, bus_: Bus, blobs: BlobStore | None, config: GatewayConfig) -> None:
         self.bus = bus_
         self.blobs = blobs
+        self.config = config
 
     def add_routes(self, app: web.Application) -> None:
         get, add = app.router.add_get, app.router.add_route
@@ -128,8 +138,12 @@ class Rest:
     async def set_ttl(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         ttl = body.get("ttl_seconds")
-        if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
-            raise InvalidRequest(f"ttl_seconds must be an integer or null, got {ttl!r}")
+        if ttl is not None and (
+            not isinstance(ttl, int) or isinstance(ttl, bool) or not 0 <= ttl <= INT64_MAX
+        ):
+            raise InvalidRequest(
+                f"ttl_seconds must be a number of seconds or null, got {ttl!r:.50}"
+            )
         return await self._ask(
             "set_checkpoint_ttl", request, tinker_path=_path(request), ttl_seconds=ttl
         )
@@ -139,8 +153,24 @@ class Rest:
             "external_weights_urls",
             request,
             tinker_path=_path(request),
-            base_url=f"{request.scheme}://{request.host}",
+            base_url=self._base_url(request),
         )
+
+    def _base_url(self, request: web.Request) -> str:
+        """The gateway's URL for the download URLs it signs: TINSMITH_PUBLIC_URL, else the
+        address it listens on, else (it listens on every interface) the request's Host header
+        if that is a well-formed host and port; never anything else a client sent."""
+        if self.config.public_url:
+            return self.config.public_url
+        host = self.config.host
+        if host not in _EVERY_INTERFACE:
+            return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
+        if not _HOST.fullmatch(request.host):
+            raise InvalidRequest(
+                f"the Host header {request.host[:100]!r} is not a host[:port] this gateway will "
+                "put into download URLs; the operator can set TINSMITH_PUBLIC_URL"
+            )
+        return f"http://{request.host}"
 
     async def weights_info(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -204,20 +234,31 @@ def _int(request: web.Request, name: str, default: int) -> int:
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
-        raise InvalidRequest(f"{name} must be an integer, got {raw!r}") from None
+        raise InvalidRequest(f"{name} must be an integer, got {raw[:40]!r}") from None
+    if not 0 <= value <= INT32_MAX:
+        raise InvalidRequest(f"{name} must be between 0 and {INT32_MAX}, got {raw[:40]}")
+    return value
+
+
+def _no_constants(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """A request's JSON object body ({} when empty), or a 400 that says what is wrong."""
+    """A request's JSON object body ({} when empty), or a 400 that says what is wrong: not
+    JSON, not an object, nested too deep, or holding NaN or Infinity (Python's parser accepts
+    those; no number in the Tinker API may be one)."""
     raw = await request.read()
     if not raw:
         return {}
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constants)
     except ValueError as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"the body is not valid JSON: {str(exc)[:200]}") from exc
+    except RecursionError:
+        raise InvalidRequest("the body is JSON nested too deep") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the body must be a JSON object")
     return body

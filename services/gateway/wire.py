@@ -7,15 +7,22 @@ operation does with them (handlers.py).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest
-from tinsmith.limits import MAX_TOPK_LOGPROBS
+from tinsmith.limits import (
+    INT32_MAX,
+    INT64_MAX,
+    MAX_METADATA_ENTRIES,
+    MAX_TOPK_LOGPROBS,
+    UINT64_MAX,
+)
 from tinsmith.tensors import sparse_cells, tensor_proto_from_json
 
 # What a sample without max_tokens gets.
@@ -42,54 +49,110 @@ def req_int(
     body: dict[str, Any],
     name: str,
     *,
-    minimum: int | None = None,
-    maximum: int | None = None,
+    minimum: int = -INT64_MAX - 1,
+    maximum: int = INT64_MAX,
     default: int | None = None,
 ) -> int:
+    """An integer field within ``[minimum, maximum]`` (by default what an int64 holds: every
+    integer ends up in a protobuf field)."""
     value = body.get(name)
     if value is None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"field {name!r} is required and must be an integer")
-    if minimum is not None and value < minimum:
+    if value < minimum:
         raise InvalidRequest(f"field {name!r} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise InvalidRequest(f"field {name!r} must be <= {maximum}, got {value}")
+    if value > maximum:
+        raise InvalidRequest(f"field {name!r} must be <= {maximum}, got {_short(value)}")
     return value
 
 
-def number(body: dict[str, Any], name: str, default: float | None = None) -> float:
+def number(
+    body: dict[str, Any],
+    name: str,
+    default: float | None = None,
+    *,
+    minimum: float = -math.inf,
+    maximum: float = math.inf,
+) -> float:
+    """A finite number within ``[minimum, maximum]`` (NaN and the infinities are refused
+    wherever a number is read: JSON's ``NaN`` and ``Infinity`` never get this far, but gRPC's
+    floats can hold them)."""
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"field {name!r} is required and must be a number")
-    return float(value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise InvalidRequest(f"field {name!r} must be a finite number, got {number}")
+    if not minimum <= number <= maximum:
+        raise InvalidRequest(f"field {name!r} must be in [{minimum}, {maximum}], got {number}")
+    return number
 
 
 def str_list(body: dict[str, Any], name: str) -> list[str]:
     value = body.get(name) or []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidRequest(f"field {name!r} must be a list of strings")
+    if len(value) > MAX_METADATA_ENTRIES:
+        raise InvalidRequest(
+            f"field {name!r} has {len(value)} entries; at most {MAX_METADATA_ENTRIES} are accepted"
+        )
     return value
 
 
 def str_map(body: dict[str, Any], name: str) -> dict[str, str]:
     value = body.get(name) or {}
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) or not all(
+        isinstance(v, str | int | float | bool) for v in value.values()
+    ):
         raise InvalidRequest(f"field {name!r} must be an object of strings")
+    if len(value) > MAX_METADATA_ENTRIES:
+        raise InvalidRequest(
+            f"field {name!r} has {len(value)} entries; at most {MAX_METADATA_ENTRIES} are accepted"
+        )
     return {str(k): str(v) for k, v in value.items()}
 
 
-def lora_config(value: Any) -> bus.LoraConfig:
+def check_metadata(limit: int, *parts: str | Iterable[str] | dict[str, str]) -> None:
+    """Refuse a call whose tags, user_metadata and other free text take more than ``limit``
+    bytes together: they are kept in the log and in memory for good."""
+    total = 0
+    for part in parts:
+        if isinstance(part, str):
+            total += len(part.encode())
+        elif isinstance(part, dict):
+            total += sum(len(k.encode()) + len(v.encode()) for k, v in part.items())
+        else:
+            total += sum(len(item.encode()) for item in part)
+    if total > limit:
+        raise InvalidRequest(
+            f"the call's tags, user_metadata and names take {total} bytes; at most {limit} are "
+            "accepted (TINSMITH_MAX_METADATA_BYTES)"
+        )
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
+def lora_config(value: Any, max_rank: int) -> bus.LoraConfig:
     if not isinstance(value, dict):
         raise InvalidRequest("field 'lora_config' is required: {rank, train_mlp, train_attn, ...}")
+    rank = req_int(value, "rank", minimum=1, default=32)
+    if rank > max_rank:
+        raise InvalidRequest(
+            f"LoRA rank {_short(rank)} is above this server's maximum of {max_rank} "
+            "(TINSMITH_MAX_LORA_RANK)"
+        )
     config = bus.LoraConfig(
-        rank=req_int(value, "rank", minimum=1, maximum=1024, default=32),
+        rank=rank,
         train_mlp=bool(value.get("train_mlp", True)),
         train_attn=bool(value.get("train_attn", True)),
         train_unembed=bool(value.get("train_unembed", True)),
     )
     if value.get("seed") is not None:
-        config.seed = req_int(value, "seed", minimum=0, maximum=2**64 - 1)
+        config.seed = req_int(value, "seed", minimum=0, maximum=UINT64_MAX)
     if not (config.train_mlp or config.train_attn or config.train_unembed):
         raise InvalidRequest("lora_config must train at least one of mlp, attn and unembed")
     return config
@@ -108,7 +171,7 @@ def adam_params(value: Any) -> bus.AdamParams:
         eps=number(value, "eps", 1e-12),
         weight_decay=number(value, "weight_decay", 0.0),
         grad_clip_norm=number(value, "grad_clip_norm", 0.0),
-    )
+    )  # all finite: NaN slipped past the comparisons below, and ruined the run
     if adam.learning_rate < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1:
         raise InvalidRequest("adam_params needs learning_rate >= 0 and 0 <= beta1, beta2 < 1")
     if adam.eps <= 0 or adam.weight_decay < 0 or adam.grad_clip_norm < 0:
@@ -137,25 +200,30 @@ def model_input(value: Any) -> list[int]:
     return tokens
 
 
+def sample_count(body: dict[str, Any], maximum: int) -> int:
+    return req_int(body, "num_samples", minimum=1, default=1, maximum=maximum)
+
+
 def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
     value = value or {}
     if not isinstance(value, dict):
         raise InvalidRequest("field 'sampling_params' must be an object")
     params = tp.SamplingParams(
-        max_tokens=req_int(value, "max_tokens", minimum=1, default=DEFAULT_MAX_TOKENS)
+        max_tokens=req_int(
+            value, "max_tokens", minimum=1, maximum=INT32_MAX, default=DEFAULT_MAX_TOKENS
+        )
         if value.get("max_tokens") is not None
         else DEFAULT_MAX_TOKENS,
-        temperature=number(value, "temperature", 1.0),
-        top_k=req_int(value, "top_k", default=-1),
+        # float32 on the wire: a larger temperature would become infinity there.
+        temperature=number(value, "temperature", 1.0, minimum=0.0, maximum=1e30),
+        top_k=req_int(value, "top_k", default=-1, minimum=-1, maximum=INT32_MAX),
         top_p=number(value, "top_p", 1.0),
     )
     if value.get("seed") is not None:
-        params.seed = req_int(value, "seed", minimum=-(2**63), maximum=2**64 - 1) % 2**64
-    if params.temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {params.temperature}")
+        params.seed = req_int(value, "seed", minimum=-(2**63), maximum=UINT64_MAX) % 2**64
     if not 0 < params.top_p <= 1:
         raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k == 0 or params.top_k < -1:
+    if params.top_k == 0:
         raise InvalidRequest(f"top_k must be -1 (no limit) or >= 1, got {params.top_k}")
     stop = value.get("stop")
     if isinstance(stop, str):
@@ -170,7 +238,7 @@ def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
     elif isinstance(stop, list) and all(
         isinstance(s, int) and not isinstance(s, bool) for s in stop
     ):
-        check_vocab(np.asarray(stop, np.int64), vocab_size, "stop token ids")
+        check_vocab(stop, vocab_size, "stop token ids")
         params.stop_tokens.values.extend(stop)
         params.stop_tokens.SetInParent()  # [] means: no stop at all, not even end-of-sequence
     else:
@@ -178,12 +246,18 @@ def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
     return params
 
 
-def check_vocab(tokens: npt.ArrayLike, vocab_size: int, what: str) -> None:
-    array = np.asarray(tokens)
-    if array.size and (array.min() < 0 or array.max() >= vocab_size):
-        bad = int(array.min()) if array.min() < 0 else int(array.max())
+def check_vocab(tokens: list[int] | np.ndarray, vocab_size: int, what: str) -> None:
+    """Refuse token ids outside ``[0, vocab_size)`` (Python integers of any size too)."""
+    if not len(tokens):
+        return
+    if isinstance(tokens, np.ndarray):
+        low, high = int(tokens.min()), int(tokens.max())
+    else:
+        low, high = min(tokens), max(tokens)
+    if low < 0 or high >= vocab_size:
+        bad = int(low) if low < 0 else int(high)
         raise InvalidRequest(
-            f"{what} contains token id {bad}, outside the vocabulary: ids must be in "
+            f"{what} contains token id {_short(bad)}, outside the vocabulary: ids must be in "
             f"[0, {vocab_size})"
         )
 

@@ -199,7 +199,8 @@ def test_the_system_keeps_serving(http: httpx.Client, training: tinker.TrainingC
 
 
 def test_a_base_model_of_an_unsupported_architecture(http: httpx.Client, tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 100}')
+    gpt2 = '{"model_type": "gpt2", "vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4}'
+    (tmp_path / "config.json").write_text(gpt2)
     session = http.post("/create_session", json={"tags": [], "user_metadata": {}}).json()
     reply = http.post(
         "/create_model",
