@@ -53,3 +53,18 @@ def test_killing_the_launcher_still_stops_its_children(tmp_path: Path) -> None:
                 break
             time.sleep(0.1)
     assert not [pid for pid in children if _alive(pid)]
+
+
+def test_what_the_system_writes_is_its_owners_alone(tmp_path: Path) -> None:
+    """The catalog, the logs, the event log and the object store (with the key that signs
+    download URLs) were readable by every user of the machine."""
+    system = start_system(tmp_path / "data")
+    try:
+        assert (system.data_dir.stat().st_mode & 0o777) == 0o700
+        written = [p for p in system.data_dir.rglob("*") if p.is_file()]
+        assert any(p.name == "catalog.db" for p in written)
+        assert any(p.suffix == ".log" for p in written)
+        loose = [p for p in written if p.stat().st_mode & 0o077]
+        assert not loose, loose
+    finally:
+        system.up.stop(60)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -191,8 +192,10 @@ class BlobStore:
         if not self.fs.exists(path):
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             with contextlib.suppress(FileExistsError):
-                if self.local:  # exclusive create: the first writer wins a race
-                    with open(path, "xb") as out:
+                if self.local:  # exclusive create: the first writer wins a race; owner-only
+                    with os.fdopen(
+                        os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb"
+                    ) as out:
                         out.write(secrets.token_bytes(32))
                 else:
                     with self.fs.open(path, "wb") as out:

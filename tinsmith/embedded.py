@@ -96,13 +96,21 @@ class System:
         return f"{self.host}:{self.grpc_port}"
 
     def metrics_url(self, service: str) -> str:
-        return f"http://127.0.0.1:{self.health_ports[service]}/metrics"
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.health_ports[service]}/metrics"
 
     @property
     def log_dir(self) -> Path:
         return self.data_dir / "logs"
 
     async def start(self, timeout_s: float = 300.0) -> None:
+        # Everything this system writes is its owner's alone: the catalog, the object store (the
+        # URL-signing key with it), the logs and the event log. Children inherit the mask; the
+        # data directory itself is closed to others too, whatever an older version left in it.
+        os.umask(0o077)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Every port this system listens on, picked at once: one picked alone, free when picked,
         # could be picked again for another before the first one's server binds it.

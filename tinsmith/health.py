@@ -7,9 +7,11 @@ Owns: a small HTTP server (aiohttp) with two routes, and the readiness checks a 
 - ``GET /readyz``: 200 when every registered check passes, else 503; the JSON body names each
   check and its result, so an operator sees why a pod is not ready.
 
-The server listens on ``TINSMITH_HEALTH_PORT`` on every interface (the kubelet probes the pod's
-address). Unset or empty: no server. ``tinsmith up`` gives each of its services a free port of its
-own (it prints their ``/metrics`` addresses) and checks readiness over NATS.
+The server listens on ``TINSMITH_HEALTH_PORT`` (unset or empty: no server), on the service's own
+host: ``TINSMITH_HEALTH_HOST``, else ``TINSMITH_HOST``, else loopback. The kustomize base sets
+``TINSMITH_HOST=0.0.0.0`` (the kubelet probes the pod's address); ``tinsmith up --host H`` keeps
+its health and metrics on ``H``. ``tinsmith up`` gives each of its services a free port of its own
+(it prints their ``/metrics`` addresses) and checks readiness over NATS.
 
 Does not own: what the checks look at, or the Prometheus ``/metrics`` route (``tinsmith/runtime.py``
 registers both; routes are added with ``add_route`` before ``start``).
@@ -26,6 +28,7 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 PORT_VARIABLE = "TINSMITH_HEALTH_PORT"
+HOST_VARIABLE = "TINSMITH_HEALTH_HOST"
 
 Check = Callable[[], bool]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,6 +46,16 @@ def port_from_env() -> int | None:
     if not 0 < port < 65536:
         raise SystemExit(f"{PORT_VARIABLE}={value!r} is not a port number")
     return port
+
+
+def host_from_env() -> str:
+    """Where the health server listens: ``TINSMITH_HEALTH_HOST``, else the service's own
+    ``TINSMITH_HOST``, else loopback."""
+    for name in (HOST_VARIABLE, "TINSMITH_HOST"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return "127.0.0.1"
 
 
 class HealthServer:
@@ -76,15 +89,15 @@ class HealthServer:
                 results[name] = False
         return results
 
-    async def start(self, port: int) -> None:
-        """Listen on ``port`` on every interface."""
+    async def start(self, port: int, host: str = "127.0.0.1") -> None:
+        """Listen on ``host:port`` (``0.0.0.0``: every interface)."""
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, host=None, port=port, reuse_address=True)
+        site = web.TCPSite(runner, host=host, port=port, reuse_address=True)
         await site.start()
         self._runner = runner
         self.port = port
-        log.info("%s health endpoint on port %d (/livez, /readyz)", self.service, port)
+        log.info("%s health endpoint on %s:%d (/livez, /readyz)", self.service, host, port)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -130,7 +130,7 @@ async def _main(name: str, start: Start) -> None:
     server.add_route("/metrics", _metrics)
     port = health.port_from_env()
     if port is not None:  # first, so liveness answers while NATS or a model load is awaited
-        await server.start(port)
+        await server.start(port, health.host_from_env())
     try:
         await _serve(name, start, stop, state)
     finally:

@@ -67,3 +67,12 @@ def test_signed_urls_check_their_signature_and_expiry(tmp_path: Path) -> None:
         store.verify("runs/r/weights/x/a.bin", str(later - 3600), signature)
     with pytest.raises(InvalidRequest, match="not accepted"):
         store.verify("runs/../../etc/passwd", str(later), signature)
+    with pytest.raises(InvalidRequest, match="signature"):
+        store.verify("runs/r/weights/x/a.bin", str(later), "é" + signature[1:])
+
+
+def test_the_url_signing_key_is_its_owners_alone(tmp_path: Path) -> None:
+    store = BlobStore(f"file://{tmp_path / 'store'}")
+    store.signed_query("runs/r/weights/x", "a.bin", int(time.time()) + 60)
+    key = tmp_path / "store" / ".tinsmith" / "url-signing-key"
+    assert (key.stat().st_mode & 0o777) == 0o600

@@ -87,9 +87,9 @@ def _service(
     return process, port
 
 
-def _get(port: int, path: str) -> tuple[int, dict[str, object]]:
+def _get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, dict[str, object]]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=5) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
@@ -143,6 +143,43 @@ def test_a_service_is_ready_only_while_it_is_connected_to_nats(
     finally:
         out = _stop(process)
     assert "checkpoint ready" in out
+
+
+def test_health_and_metrics_listen_on_the_services_own_host_only(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """``tinsmith up --host 127.0.0.1`` must not open metrics to the network: the health server
+    binds the service's host (TINSMITH_HOST), not every interface."""
+    process, port = _service("checkpoint", nats_server, tmp_path, TINSMITH_HOST="127.0.0.2")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                assert _get(port, "/livez", host="127.0.0.2")[0] == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the health server never answered"
+                time.sleep(0.1)
+        with pytest.raises(OSError):
+            _get(port, "/livez", host="127.0.0.1")
+    finally:
+        _stop(process)
+
+
+def test_a_service_stops_within_three_seconds_of_its_signal(
+    nats_server: Nats, tmp_path: Path
+) -> None:
+    """Stopping used to wait up to 15 s for the NATS client's drain."""
+    for name in ("checkpoint", "gateway"):
+        extra = {"TINSMITH_PORT": str(free_port()), "TINSMITH_GRPC_PORT": str(free_port())}
+        process, port = _service(name, nats_server, tmp_path, **extra)
+        try:
+            _eventually(port, "/readyz", lambda status, _: status == 200)
+        finally:
+            began = time.monotonic()
+            _stop(process)
+            took = time.monotonic() - began
+        assert took < 3.0, f"{name} took {took:.1f} s to stop"
 
 
 def test_a_service_is_live_but_not_ready_while_nats_is_unreachable(
