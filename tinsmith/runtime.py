@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 from nats.errors import Error as NatsError
@@ -46,6 +48,49 @@ def nats_url() -> str:
             "NATS server (use `tinsmith up` to run everything with an embedded one)"
         )
     return url
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: its CPU affinity, within its cgroup's CPU quota (a
+    container's limit), at least one. ``os.cpu_count()`` counts the whole machine: a container
+    limited to 2 CPUs on a 64-core node would run 32 torch threads per engine."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        count = min(count or 1, max(1, math.floor(quota)))
+    return max(1, count or 1)
+
+
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs' worth of time the cgroup may use (cgroup v2 ``cpu.max``, or v1's CFS quota);
+    None when unlimited or unknown."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 or period_us <= 0 else quota_us / period_us
+
+
+def torch_threads() -> int:
+    """The torch threads of each engine's compute thread by default: the trainer and the
+    sampler compute at the same time in RL loops, so each takes half the CPUs this process may
+    use (``available_cpus``); ``TINSMITH_TORCH_THREADS`` overrides it."""
+    raw = os.environ.get("TINSMITH_TORCH_THREADS", "").strip()
+    if raw:
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise SystemExit(f"TINSMITH_TORCH_THREADS={raw!r} is not an integer") from None
+        if threads < 1:
+            raise SystemExit(f"TINSMITH_TORCH_THREADS={raw!r} must be at least 1")
+        return threads
+    return max(1, available_cpus() // 2)
 
 
 def results_max_age_s() -> float:

@@ -1,0 +1,46 @@
+"""How many torch threads a compute process takes: half of the CPUs it may use, which a
+container's cgroup quota bounds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tinsmith import runtime
+
+
+def _cgroup(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "200000 100000\n"}, 2.0),
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "400000", "cpu/cpu.cfs_period_us": "100000"}, 4.0),
+        ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+        ({}, None),
+    ],
+)
+def test_a_cgroups_cpu_quota_is_read_in_either_version(
+    tmp_path: Path, files: dict[str, str], quota: float | None
+) -> None:
+    assert runtime._cgroup_cpu_quota(_cgroup(tmp_path, files)) == quota
+
+
+def test_torch_threads_are_half_the_usable_cpus_unless_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TINSMITH_TORCH_THREADS", raising=False)
+    assert runtime.torch_threads() == max(1, runtime.available_cpus() // 2)
+    monkeypatch.setenv("TINSMITH_TORCH_THREADS", "3")
+    assert runtime.torch_threads() == 3
+    monkeypatch.setenv("TINSMITH_TORCH_THREADS", "0")
+    with pytest.raises(SystemExit, match="at least 1"):
+        runtime.torch_threads()
