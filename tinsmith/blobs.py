@@ -49,12 +49,18 @@ class ArtifactInfo:
 
 
 def check_key(key: str) -> str:
-    """A key is a relative path whose components are neither empty nor '.' nor '..'."""
+    """A key is a relative path of printable characters whose components are neither empty nor
+    '.' nor '..'."""
     parts = key.split("/") if isinstance(key, str) else [""]
-    if not key or key.startswith("/") or any(p in ("", ".", "..") or "\\" in p for p in parts):
+    if (
+        not key
+        or key.startswith("/")
+        or any(p in ("", ".", "..") or "\\" in p for p in parts)
+        or not key.isprintable()
+    ):
         raise InvalidRequest(
-            f"object-store key {key!r} is not accepted: a relative path whose parts are not "
-            "empty, '.' or '..'"
+            f"object-store key {key!r:.200} is not accepted: a relative path of printable "
+            "characters whose parts are not empty, '.' or '..'"
         )
     return key
 

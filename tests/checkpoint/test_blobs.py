@@ -13,7 +13,9 @@ from tinsmith.blobs import BlobStore, check_key
 from tinsmith.failures import InvalidRequest
 
 
-@pytest.mark.parametrize("bad", ["", "/abs", "a/../b", "..", "a//b", "a/./b", "a\\..\\b", "a/"])
+@pytest.mark.parametrize(
+    "bad", ["", "/abs", "a/../b", "..", "a//b", "a/./b", "a\\..\\b", "a/", "a/b\x00c", "a/b\nc"]
+)
 def test_keys_that_could_leave_the_store_are_refused(bad: str) -> None:
     with pytest.raises(InvalidRequest, match="not accepted"):
         check_key(bad)
