@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
 from tinsmith.models import Shape
 
@@ -42,8 +42,8 @@ _MIB = 2**20
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds every request is checked against. Each field is read from the environment
-    variable named after it (``TINSMITH_`` + the field's name in capitals)."""
+    """The bounds every request is checked against, each read from its environment variable
+    (``VARIABLES``)."""
 
     # The largest LoRA rank a run may have (its adapter and AdamW state grow with it).
     max_lora_rank: int = 128
@@ -64,9 +64,8 @@ class Limits:
 
     @classmethod
     def from_env(cls) -> Limits:
-        values = {}
-        for field in fields(cls):
-            name = f"TINSMITH_{field.name.upper()}"
+        limits = cls()
+        for field, name in VARIABLES.items():
             raw = os.environ.get(name, "").strip()
             if not raw:
                 continue
@@ -76,8 +75,19 @@ class Limits:
                 raise SystemExit(f"{name}={raw!r} is not an integer") from None
             if value < 1:
                 raise SystemExit(f"{name}={raw!r} must be at least 1")
-            values[field.name] = value
-        return cls(**values)
+            limits = replace(limits, **{field: value})
+        return limits
+
+
+# Each bound's environment variable.
+VARIABLES = {
+    "max_lora_rank": "TINSMITH_MAX_LORA_RANK",
+    "train_memory_mb": "TINSMITH_TRAIN_MEMORY_MB",
+    "sample_memory_mb": "TINSMITH_SAMPLE_MEMORY_MB",
+    "sample_max_tokens": "TINSMITH_SAMPLE_MAX_TOKENS",
+    "seq_window": "TINSMITH_SEQ_WINDOW",
+    "max_metadata_bytes": "TINSMITH_MAX_METADATA_BYTES",
+}
 
 
 def train_bytes(shape: Shape, vocab_size: int, lengths: Sequence[int], *, backward: bool) -> int:
