@@ -4,11 +4,24 @@ order, executed on the compute thread, with results and events appended back to 
 Owns:
 - ordering: the SDK may send a forward_backward's chunks out of order, chunk 1 last, and a
   request the gateway rejected leaves its seq_id to be skipped;
-- acking: a request is acked only after its outcome is durable, so a trainer that dies mid-step
-  gets it again;
+- failing alone: whatever goes wrong around one request (reading it, restoring its run, executing
+  it, recording its outcome) ends that request failed (an unexpected exception as an
+  ``InternalError``, logged once with its traceback), spends its seq_id and lets the run's later
+  requests run; a failure the log refuses to record is retried until it is recorded;
+- acking and redelivery: a request is acked only after its outcome is durable, so a trainer that
+  dies mid-step hands it to the next one after the ack wait (``TrainerConfig.ack_wait_s``). Every
+  request the trainer holds, executing or waiting for an earlier seq_id however long, is extended
+  (``in_progress``) every third of the ack wait, so a wait is never taken for a dead trainer.
+  Redelivery is bounded (tinsmith/workqueue.py): a request that arrives on its last delivery is
+  not run; when its turn comes its failure is recorded (``workqueue.exhausted``);
+- bounded buffering: requests waiting for their turn keep their payload in memory up to a budget
+  (``TrainerConfig.buffer_mb``); beyond it the payload is released once its run and seq_id are
+  noted, and read back from the log when its turn comes;
 - storing checkpoints;
 - letting go of idle runs: a run whose session stopped heart-beating is snapshotted to the object
-  store and unloaded, and its next request restores it, also after a trainer restart.
+  store and unloaded, and its next request restores it, also after a trainer restart;
+- stopping: the request running now finishes, every run in memory is snapshotted, and the
+  requests still waiting go back to the queue for the next trainer.
 
 Does not own: the torch math (engine.py).
 """
@@ -17,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import tempfile
@@ -35,20 +49,38 @@ from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
-from tinsmith.failures import NotFound, Unavailable
+from tinsmith.failures import InternalError, NotFound, TinsmithError, Unavailable
 from tinsmith.tensors import model_input_tokens
-from tinsmith.workqueue import Delivery
+from tinsmith.workqueue import Delivery, exhausted
 
+from .config import TrainerConfig
 from .engine import TrainerEngine
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+# Messages asked of the queue at a time. Requests far ahead of their turn wait here, their
+# payloads within the buffer budget.
+_BATCH = 256
+# Requests handed back on a stop come back this late, when this trainer's connection is closed
+# (a nak without delay could reach this stopping trainer again, and spend a delivery each time).
+_HAND_BACK_DELAY_S = 5.0
+# Waits between attempts to record a failure that the log refused (it is down, say).
+_RECORD_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# A failure's detail is cut to this many characters, so that recording it cannot fail for size.
+_MAX_DETAIL = 4000
+
 
 @dataclass
 class _Work:
+    """A request of a run, held until its seq_id's turn: its delivery, whose payload may have
+    been released (read it back from the log by ``delivery.stream_seq``), and what was noted of
+    it on arrival."""
+
     delivery: Delivery
-    event: bus.Event
+    seq_id: int
+    request_id: str  # "" for a seq_id the gateway rejected: nothing runs, it is only spent
+    size: int  # payload bytes it keeps in memory (0 once released)
 
 
 @dataclass
@@ -62,14 +94,22 @@ class _RunQueue:
 
 class Trainer:
     def __init__(
-        self, bus_: Bus, engine: TrainerEngine, blobs: BlobStore, idle_unload_s: float
+        self,
+        bus_: Bus,
+        engine: TrainerEngine,
+        blobs: BlobStore,
+        idle_unload_s: float,
+        config: TrainerConfig | None = None,
     ) -> None:
+        """``config`` gives the queue's settings (ack wait, buffer budget); without it they come
+        from the environment. ``idle_unload_s`` is the one that counts for idle runs."""
         self.bus = bus_
         self.log = EventLog(bus_)
         self.projection = FollowedProjection(self.log)
         self.engine = engine
         self.blobs = blobs
         self.idle_unload_s = idle_unload_s
+        self.config = config or TrainerConfig.from_env()
         self.compute = ComputeThread(
             "trainer-compute",
             engine.init_compute_thread,
@@ -78,7 +118,12 @@ class Trainer:
         )
         self.queues: dict[str, _RunQueue] = {}
         self.last_seen: dict[str, float] = {}  # session id -> monotonic time of last sign of life
+        # Every delivery not yet acked or handed back, by stream sequence: what is kept alive.
+        self.held: dict[int, Delivery] = {}
+        self.buffered_bytes = 0  # payload bytes of the requests waiting in ``pending``
         self._reaper_wake = asyncio.Event()
+        self._quiet = asyncio.Event()  # set whenever a run's queue stops being busy
+        self._stop = asyncio.Event()  # set when the trainer begins to stop
 
     async def start(self) -> None:
         telemetry.observe_models(self.engine.loaded)
@@ -95,50 +140,123 @@ class Trainer:
         )
         await self.projection.start()
         await self.bus.listen(subjects.SESSION_HEARTBEATS, self._on_heartbeat)
+        self.bus.spawn(self._keep_alive())
         await self.bus.consume(
             subjects.EVENTS_STREAM,
             subjects.TRAINER_CONSUMER,
             subjects.events_of("run"),
             self._on_deliveries,
-            batch=256,
-            ack_wait_s=600.0,
+            batch=_BATCH,
+            ack_wait_s=self.config.ack_wait_s,
+            room=self._room,
         )
         self.bus.spawn(self._reap_idle_runs())
 
     async def stop(self) -> None:
-        """On a graceful stop, snapshot and unload every run still in memory, so the next
-        trainer restores each one on its next request: stopping loses no run."""
+        """On a graceful stop: take no more work and let the requests running now finish, then
+        snapshot and unload every run still in memory, so the next trainer restores each one on
+        its next request (stopping loses no run), and hand the requests still waiting back to
+        the queue, for the next trainer."""
+        self._stop.set()
         for model_id, queue in list(self.queues.items()):
-            while queue.busy:  # let a running step (or an idle unload) finish first
-                await asyncio.sleep(0.05)
+            while queue.busy:  # a running step (or an idle unload) finishes first
+                self._quiet.clear()
+                await self._quiet.wait()
             if not queue.snapshot_key:
-                await self._unload(model_id, queue)
+                try:
+                    await self._unload(model_id, queue)
+                except Exception:
+                    log.exception("could not snapshot run %s while stopping", model_id)
+        for delivery in list(self.held.values()):
+            with contextlib.suppress(Exception):
+                await delivery.nak(delay=_HAND_BACK_DELAY_S)
+        self.held.clear()
+        self.compute.shutdown()
+
+    async def _room(self) -> int:
+        """How many messages to ask for: the batch, and none once stopping."""
+        if self.stopping:
+            await asyncio.Event().wait()  # until the connection closes and cancels the asking
+        return _BATCH
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     async def _on_heartbeat(self, payload: bytes) -> None:
         self.last_seen[payload.decode()] = time.monotonic()
+
+    async def _keep_alive(self) -> None:
+        """Tell JetStream that every request this trainer holds is in progress, so that none is
+        delivered again while it waits for its turn or runs, however long that takes."""
+        while True:
+            await asyncio.sleep(self.config.ack_wait_s / 3)
+            held = list(self.held.values())
+            failed = 0
+            for delivery in held:
+                try:
+                    await delivery.in_progress()
+                except Exception:
+                    failed += 1
+            if failed:
+                log.warning("could not extend the ack deadline of %d of %d", failed, len(held))
 
     # -- ordering ------------------------------------------------------------------------------
 
     async def _on_deliveries(self, deliveries: list[Delivery]) -> None:
         for delivery in deliveries:
+            try:
+                await self._take(delivery)
+            except Exception:
+                # Not held: it comes back after the ack wait (a bounded number of times).
+                log.exception("could not take message %d of the log", delivery.stream_seq)
+
+    async def _take(self, delivery: Delivery) -> None:
+        """Note a run's request (its run and seq_id) and hold it until its turn."""
+        if self.stopping:
+            await delivery.nak(delay=_HAND_BACK_DELAY_S)
+            return
+        try:
             event = events.decode(delivery.data)
             kind = events.kind_of(event)
-            if kind not in ("request_accepted", "request_rejected"):
-                await delivery.ack()
-                continue
-            body = getattr(event, kind)
-            queue = self.queues.get(body.aggregate_id) or self._adopt(body)
-            if queue is None:
-                await self._orphan(delivery, event)
-                continue
-            self.last_seen[queue.create.session_id] = time.monotonic()
-            if body.seq_id < queue.next_seq:
-                await delivery.ack()  # a redelivery of work already done
-                continue
-            queue.pending[body.seq_id] = _Work(delivery, event)
-            if not queue.busy:
-                queue.busy = True
-                self.bus.spawn(self._advance(body.aggregate_id, queue))
+        except Exception:
+            log.exception("message %d of the log is not an event; skipped", delivery.stream_seq)
+            await delivery.ack()
+            return
+        if kind not in ("request_accepted", "request_rejected"):
+            await delivery.ack()
+            return
+        body = getattr(event, kind)
+        queue = self.queues.get(body.aggregate_id) or self._adopt(body)
+        if queue is None:
+            await self._orphan(delivery, event)
+            return
+        self.last_seen[queue.create.session_id] = time.monotonic()
+        if body.seq_id < queue.next_seq:
+            await delivery.ack()  # a redelivery of work already done
+            return
+        request_id = body.request_id if kind == "request_accepted" else ""
+        await self._hold(queue, _Work(delivery, body.seq_id, request_id, len(delivery.data)))
+        if not queue.busy:
+            queue.busy = True
+            self.bus.spawn(self._advance(body.aggregate_id, queue))
+
+    async def _hold(self, queue: _RunQueue, work: _Work) -> None:
+        """Keep ``work`` until its turn, its payload in memory while the budget allows."""
+        earlier = queue.pending.pop(work.seq_id, None)
+        if earlier is not None:
+            self.buffered_bytes -= earlier.size
+            if earlier.delivery.stream_seq != work.delivery.stream_seq:
+                # Two messages for one seq_id: the first in the log wins, the other is spent.
+                first, second = sorted((earlier, work), key=lambda w: w.delivery.stream_seq)
+                await self._spend(second.delivery)
+                work = first
+        if self.buffered_bytes + work.size > self.config.buffer_bytes:
+            work.delivery.release()
+            work.size = 0
+        self.buffered_bytes += work.size
+        queue.pending[work.seq_id] = work
+        self.held[work.delivery.stream_seq] = work.delivery
 
     def _adopt(self, body: bus.RequestAccepted | bus.RequestRejected) -> _RunQueue | None:
         """A queue for a run this trainer does not hold yet: a new run, or one whose last word
@@ -158,17 +276,82 @@ class Trainer:
         return queue
 
     async def _advance(self, model_id: str, queue: _RunQueue) -> None:
-        """Execute the run's requests while the next seq_id is here; later ones wait for it."""
+        """Take the run's requests while the next seq_id is here; later ones wait for it. Each
+        one that comes to its turn ends with an outcome and spends its seq_id, whatever
+        happens to it."""
         try:
-            while queue.next_seq in queue.pending:
+            while queue.next_seq in queue.pending and not self.stopping:
                 work = queue.pending.pop(queue.next_seq)
-                if events.kind_of(work.event) == "request_accepted":
-                    await self._execute(work, queue)
-                await work.delivery.ack()
-                queue.next_seq += 1
+                self.buffered_bytes -= work.size
+                try:
+                    await self._turn(queue, work)
+                except Exception as exc:
+                    if not await self._record_failure(model_id, work, exc):
+                        break  # stopping: it goes back to the queue, for the next trainer
+                queue.next_seq = work.seq_id + 1
+                await self._spend(work.delivery)
+                late = queue.pending.pop(work.seq_id, None)  # delivered again while it ran
+                if late is not None:
+                    self.buffered_bytes -= late.size
+                    await self._spend(late.delivery)
         finally:
             queue.busy = False
+            self._quiet.set()
             self._reaper_wake.set()
+
+    async def _turn(self, queue: _RunQueue, work: _Work) -> None:
+        """The request's turn: run it, unless it is a rejected seq_id (nothing to do) or on its
+        last delivery (earlier ones ended without an outcome: it is failed, not run again)."""
+        if not work.request_id:
+            return
+        delivery = work.delivery
+        if delivery.last:
+            raise exhausted(delivery, work.request_id)  # recorded as its failure, not run
+        if delivery.released:
+            data = await self.bus.get(subjects.EVENTS_STREAM, delivery.stream_seq)
+        else:
+            data = delivery.data
+        await self._execute(events.decode(data).request_accepted, delivery, queue)
+
+    async def _record_failure(self, model_id: str, work: _Work, exc: Exception) -> bool:
+        """Record that a request failed outside its work's own settling (it was on its last
+        delivery, it could not be read, or its outcome could not be recorded). Retried while the
+        log refuses it; False if the trainer began to stop first."""
+        if isinstance(exc, TinsmithError):
+            failure = exc
+            log.warning("request %s failed in the trainer: %s", work.request_id, exc.detail)
+        else:
+            log.error("request %s failed in the trainer", work.request_id, exc_info=exc)
+            failure = InternalError(f"the request failed in the trainer: {exc!r}")
+        detail = failure.detail[:_MAX_DETAIL]
+        for attempt in itertools.count():
+            try:
+                await self.log.fail(
+                    work.request_id, model_id, failure.kind, detail, request_aggregate="run"
+                )
+                return True
+            except Exception as refused:
+                wait = _RECORD_RETRY_S[min(attempt, len(_RECORD_RETRY_S) - 1)]
+                log.warning(
+                    "could not record the failure of request %s (%r); again in %.1f s",
+                    work.request_id,
+                    refused,
+                    wait,
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), wait)
+                if self.stopping:
+                    return False
+        raise AssertionError("unreachable")
+
+    async def _spend(self, delivery: Delivery) -> None:
+        """Let go of a delivery whose outcome is recorded."""
+        self.held.pop(delivery.stream_seq, None)
+        try:
+            await delivery.ack()
+        except Exception as exc:
+            # Its outcome is durable: a redelivery of it is acked as work already done.
+            log.warning("could not ack message %d: %r", delivery.stream_seq, exc)
 
     async def _orphan(self, delivery: Delivery, event: bus.Event) -> None:
         """Work for a run this trainer cannot restore (its state was only in a lost process)."""
@@ -187,27 +370,33 @@ class Trainer:
             )
         await delivery.ack()
 
-    async def _execute(self, work: _Work, queue: _RunQueue) -> None:
+    async def _execute(
+        self, accepted: bus.RequestAccepted, delivery: Delivery, queue: _RunQueue
+    ) -> None:
         """Run one request, now that its turn has come (restoring its run first if it was
-        unloaded), in the trace that accepted it."""
-        accepted = work.event.request_accepted
+        unloaded), in the trace that accepted it, and record its outcome."""
         command = events.command_of(accepted)
-        telemetry.queue_wait(command, work.delivery.published_ns, work.delivery.trace)
-        handler = getattr(self, f"_{command}")
+        handler = getattr(self, f"_{command}", None)
+        if handler is None:
+            raise InternalError(f"the trainer does not know the command {command!r}")
+        telemetry.queue_wait(command, delivery.published_ns, delivery.trace)
+
+        async def work() -> tuple[bytes, str]:
+            if queue.snapshot_key:
+                await self._restore(accepted.aggregate_id, queue)
+            result: tuple[bytes, str] = await handler(accepted)
+            return result
+
         with (
             telemetry.tracer.start_as_current_span(
                 f"trainer {command}",
-                context=work.delivery.trace,
+                context=delivery.trace,
                 kind=SpanKind.CONSUMER,
                 attributes=self._attributes(accepted.aggregate_id, queue),
             ),
             telemetry.request_scope(accepted.request_id),
         ):
-            if queue.snapshot_key:
-                await self._restore(accepted.aggregate_id, queue)
-            await self.log.settle(
-                accepted, lambda: handler(accepted), request_aggregate="run", worker="trainer"
-            )
+            await self.log.settle(accepted, work, request_aggregate="run", worker="trainer")
 
     def _attributes(self, model_id: str, queue: _RunQueue | None = None) -> dict[str, str | int]:
         """What a span of this run's work carries: the run, its base model and its adapter."""
@@ -233,8 +422,13 @@ class Trainer:
             }
             for model_id, deadline in deadlines.items():
                 queue = self.queues[model_id]
-                if deadline <= now and not queue.busy and not queue.pending:
-                    await self._unload(model_id, queue)
+                if deadline <= now and not queue.busy and not queue.pending and not self.stopping:
+                    try:
+                        await self._unload(model_id, queue)
+                    except Exception:
+                        # It stays loaded; the next try is one idle period later.
+                        log.exception("could not unload idle run %s", model_id)
+                        self.last_seen[queue.create.session_id] = time.monotonic()
             upcoming = [d for d in deadlines.values() if d > now]
             self._reaper_wake.clear()
             timeout = min(upcoming) - now if upcoming else None
@@ -249,19 +443,21 @@ class Trainer:
             ):
                 key = artifacts.snapshot_key(model_id, queue.next_seq)
                 await self._export(model_id, key, with_optimizer=True, with_gradients=True)
-                await self.compute.run(self.engine.unload, model_id)
                 unloaded = bus.RunUnloaded(
                     model_id=model_id,
                     snapshot_key=key,
                     next_seq_id=queue.next_seq,
                     create=queue.create,
                 )
+                # Recorded before it leaves memory: a run the log cannot record stays loaded.
                 await self.log.append(events.make(run_unloaded=unloaded))
+                await self.compute.run(self.engine.unload, model_id)
             queue.snapshot_key = key
-            log.info("unloaded idle run %s to %s", model_id, key)
+            log.info("unloaded run %s to %s", model_id, key)
         finally:
             queue.busy = False
-        if queue.pending:
+            self._quiet.set()
+        if queue.pending and not self.stopping:
             queue.busy = True
             self.bus.spawn(self._advance(model_id, queue))
 
@@ -269,7 +465,13 @@ class Trainer:
         create = bus.CreateModel()
         create.CopyFrom(queue.create)
         create.load_key, create.load_optimizer = queue.snapshot_key, True
-        await self._with_checkpoint(create.load_key, self.engine.create_run, model_id, create)
+        try:
+            await self._with_checkpoint(create.load_key, self.engine.create_run, model_id, create)
+        except NotFound as exc:
+            raise NotFound(
+                f"training run {model_id} was unloaded while idle, and its snapshot cannot be "
+                f"read back ({exc.detail}); load it from a checkpoint into a new run"
+            ) from exc
         await self.log.append(
             events.make(
                 run_restored=bus.RunRestored(model_id=model_id, snapshot_key=create.load_key)

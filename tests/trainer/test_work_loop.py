@@ -1,0 +1,357 @@
+"""The trainer's work loop on a real nats-server with tinsmith/tiny: a request that fails fails
+alone and its run's next requests run; a request on its last delivery is failed, not run;
+requests that wait for an earlier seq_id are kept alive, and beyond the buffer budget wait
+outside memory; a stop is quick, snapshots its runs and hands the waiting requests back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.trainer.config import TrainerConfig
+from services.trainer.engine import TrainerEngine
+from services.trainer.handlers import Trainer, _RunQueue
+from tinsmith import events, jobs, models, subjects
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.blobs import BlobStore
+from tinsmith.bus import Bus
+from tinsmith.eventlog import EventLog, FollowedProjection
+from tinsmith.workqueue import MAX_DELIVER, Delivery
+
+ADAM = bus.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
+
+
+class Harness:
+    """Trainers on connections of their own (as the service has), the log they share, and a
+    projection of it to wait on."""
+
+    def __init__(self, eventlog: EventLog, nats_url: str, blobs: Path) -> None:
+        self.eventlog = eventlog
+        self.nats_url = nats_url
+        self.blob_url = f"file://{blobs}"
+        self.projection = FollowedProjection(eventlog)
+        self.trainers: list[Trainer] = []
+
+    @contextlib.asynccontextmanager
+    async def trainer(
+        self, idle_unload_s: float = 3600.0, **config: float
+    ) -> AsyncIterator[Trainer]:
+        settings = TrainerConfig(
+            blob_url=self.blob_url, cache_dir=models.default_cache_dir(), **config
+        )
+        connection = await Bus.connect(self.nats_url, name="test-trainer")
+        trainer = Trainer(
+            connection,
+            TrainerEngine(settings.cache_dir),
+            BlobStore(self.blob_url),
+            idle_unload_s,
+            settings,
+        )
+        await trainer.start()
+        try:
+            yield trainer
+        finally:
+            if not trainer.stopping:
+                await trainer.stop()
+            await connection.close()
+
+    async def accept(self, model_id: str, seq_id: int, **command: object) -> str:
+        request_id = events.request_id(model_id, seq_id)
+        accepted = bus.RequestAccepted(
+            request_id=request_id,
+            aggregate_id=model_id,
+            seq_id=seq_id,
+            **command,  # type: ignore[arg-type]
+        )
+        await self.eventlog.append(events.make(request_accepted=accepted), msg_id=request_id)
+        return request_id
+
+    async def create(self, model_id: str) -> str:
+        lora = bus.LoraConfig(rank=4, seed=1, train_mlp=True, train_attn=True, train_unembed=True)
+        create = bus.CreateModel(session_id="S", base_model=models.TINY, lora=lora)
+        return await self.accept(model_id, 0, create_model=create)
+
+    async def settled(self, *request_ids: str, timeout: float = 60.0) -> list[jobs.RequestState]:
+        requests = self.projection.state.requests
+
+        def done() -> bool:
+            return all(
+                rid in requests and requests[rid].status is not jobs.Status.PENDING
+                for rid in request_ids
+            )
+
+        assert await self.projection.wait_until(done, timeout), [
+            requests.get(rid) for rid in request_ids
+        ]
+        return [requests[rid] for rid in request_ids]
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.02)
+
+    async def completion_order(self, model_id: str) -> list[int]:
+        """The seq_ids of the run's outcomes, in the order they were recorded."""
+        order = []
+        log = self.eventlog.bus
+        for seq in range(1, await log.last_seq(subjects.EVENTS_STREAM) + 1):
+            event = events.decode(await log.get(subjects.EVENTS_STREAM, seq))
+            kind = events.kind_of(event)
+            if kind in ("request_completed", "request_failed"):
+                body = getattr(event, kind)
+                if body.aggregate_id == model_id:
+                    order.append(int(body.request_id.rsplit(":", 1)[1]))
+        return order
+
+
+@pytest.fixture
+async def harness(eventlog: EventLog, nats_url: str, tmp_path: Path) -> Harness:
+    harness = Harness(eventlog, nats_url, tmp_path / "blobs")
+    await harness.projection.start()
+    return harness
+
+
+def _batch(seed: int, datums: int = 2, length: int = 11) -> tp.ForwardBackwardRequest:
+    rng = np.random.default_rng(seed)
+    request = tp.ForwardBackwardRequest(loss_fn="cross_entropy")
+    for _ in range(datums):
+        ids = rng.integers(3, 512, size=length + 1)
+        datum = request.data.add()
+        datum.model_input.add().encoded_text.tokens = ids[:-1].astype("<i4").tobytes()
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(
+            tp.Tensor(dense=ids[1:].astype("<i8").tobytes(), dtype=tp.DTYPE_INT64, shape=[length])
+        )
+    return request
+
+
+def _diverging(seed: int) -> tp.ForwardBackwardRequest:
+    """importance_sampling with sampler logprobs of -1e30: the ratio exp(p - q) is inf."""
+    request = _batch(seed)
+    request.loss_fn = "importance_sampling"
+    for datum in request.data:
+        n = datum.loss_fn_inputs["target_tokens"].shape[0]
+        for key, value in (("logprobs", -1e30), ("advantages", 1.0)):
+            datum.loss_fn_inputs[key].CopyFrom(
+                tp.Tensor(
+                    dense=np.full(n, value, "<f4").tobytes(), dtype=tp.DTYPE_FLOAT32, shape=[n]
+                )
+            )
+    return request
+
+
+def _weights(trainer: Trainer, model_id: str) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.engine.runs[model_id].params.values()]
+
+
+def _status(request: jobs.RequestState) -> tuple[str, str]:
+    return request.status.value, request.error_kind
+
+
+async def test_a_request_with_a_non_finite_loss_fails_alone(harness: Harness) -> None:
+    async with harness.trainer() as trainer:
+        for model_id in ("hit", "clean"):
+            await harness.create(model_id)
+        bad = await harness.accept("hit", 1, forward_backward=_diverging(0))
+        rest = [
+            await harness.accept("hit", 2, forward_backward=_batch(1)),
+            await harness.accept("hit", 3, optim_step=bus.OptimStep(adam=ADAM)),
+            await harness.accept("clean", 1, forward_backward=_batch(1)),
+            await harness.accept("clean", 2, optim_step=bus.OptimStep(adam=ADAM)),
+        ]
+
+        failed, *done = await harness.settled(bad, *rest)
+
+        assert _status(failed) == ("failed", "unprocessable")
+        assert "importance ratio" in failed.error_detail
+        assert all(request.status is jobs.Status.COMPLETED for request in done)
+        hit, clean = _weights(trainer, "hit"), _weights(trainer, "clean")
+        assert all(torch.equal(a, b) for a, b in zip(hit, clean, strict=True))
+
+
+async def test_a_request_that_cannot_be_read_back_fails_and_the_run_goes_on(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With no buffer, requests that wait are read back from the log when their turn comes;
+    one whose message was deleted from the log meanwhile fails, outside its work's settling,
+    and the run's next request runs."""
+    caplog.set_level(logging.INFO, logger="services.trainer.handlers")
+    async with harness.trainer(buffer_mb=0) as trainer:
+        await harness.create("unreadable")
+        lost = await harness.accept("unreadable", 2, forward_backward=_batch(2))
+        after = await harness.accept("unreadable", 3, optim_step=bus.OptimStep(adam=ADAM))
+        queue = await _queue(harness, trainer, "unreadable", waiting=2)
+        assert all(work.delivery.released for work in queue.pending.values())
+        stream_seq = queue.pending[2].delivery.stream_seq
+        assert await harness.eventlog.bus.js.delete_msg(subjects.EVENTS_STREAM, stream_seq)
+
+        first = await harness.accept("unreadable", 1, forward_backward=_batch(1))
+        done, failed, step = await harness.settled(first, lost, after)
+
+    assert _status(failed) == ("failed", "internal")
+    assert "failed in the trainer" in failed.error_detail
+    assert (done.status, step.status) == (jobs.Status.COMPLETED, jobs.Status.COMPLETED)
+    tracebacks = [r for r in caplog.records if r.exc_info and lost in r.getMessage()]
+    assert len(tracebacks) == 1  # logged once, with its traceback
+
+
+async def test_a_run_whose_snapshot_is_gone_fails_each_request_instead_of_hanging(
+    harness: Harness,
+) -> None:
+    async with harness.trainer(idle_unload_s=0.2) as trainer:
+        await harness.settled(await harness.create("forgotten"))
+        runs = harness.projection.state.runs
+        await harness.until(lambda: runs["forgotten"].snapshot is not None)
+        snapshot = runs["forgotten"].snapshot
+        assert snapshot is not None
+        assert await trainer.blobs.delete(snapshot.snapshot_key)
+
+        first = await harness.accept("forgotten", 1, forward_backward=_batch(0))
+        second = await harness.accept("forgotten", 2, optim_step=bus.OptimStep(adam=ADAM))
+        outcomes = await harness.settled(first, second)
+
+    for outcome in outcomes:
+        assert _status(outcome) == ("failed", "not_found")
+        assert "its snapshot cannot be read back" in outcome.error_detail
+
+
+async def test_a_request_on_its_last_delivery_is_failed_not_run(
+    harness: Harness, nats_url: str
+) -> None:
+    """Request 1 took down four trainers (here: four that handed it back); the fifth records its
+    failure instead of running it, and runs request 2."""
+    async with harness.trainer():
+        await harness.settled(await harness.create("poisoned"))
+    poison = await harness.accept("poisoned", 1, forward_backward=_batch(0))
+    handed_back = asyncio.Event()
+
+    async def crashing(deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            if delivery.num_delivered < MAX_DELIVER - 1:
+                await delivery.nak()
+            else:
+                await delivery.nak(delay=1.0)  # to the next trainer, once this one is gone
+                handed_back.set()
+
+    earlier = await Bus.connect(nats_url, name="test-crashing-trainers")
+    await earlier.consume(
+        subjects.EVENTS_STREAM,
+        subjects.TRAINER_CONSUMER,
+        subjects.events_of("run"),
+        crashing,
+        batch=16,
+        ack_wait_s=60,
+    )
+    await asyncio.wait_for(handed_back.wait(), 20)
+    await earlier.close()
+
+    async with harness.trainer():
+        after = await harness.accept("poisoned", 2, forward_backward=_batch(1))
+        failed, done = await harness.settled(poison, after)
+
+    assert _status(failed) == ("failed", "internal")
+    assert f"taken {MAX_DELIVER} times" in failed.error_detail
+    assert done.status is jobs.Status.COMPLETED
+
+
+async def test_requests_waiting_for_their_turn_are_not_delivered_again(harness: Harness) -> None:
+    """Requests 2 and 3 wait three ack waits for request 1: kept alive all along, they are
+    neither redelivered nor run early."""
+    async with harness.trainer(ack_wait_s=1.0):
+        await harness.settled(await harness.create("patient"))
+        later = [
+            await harness.accept("patient", 2, forward_backward=_batch(2)),
+            await harness.accept("patient", 3, optim_step=bus.OptimStep(adam=ADAM)),
+        ]
+        await asyncio.sleep(3.0)
+        info = await harness.eventlog.bus.js.consumer_info(
+            subjects.EVENTS_STREAM, subjects.TRAINER_CONSUMER
+        )
+        assert info.config.ack_wait == 1.0
+        assert (info.num_ack_pending, info.num_redelivered) == (2, 0)
+
+        first = await harness.accept("patient", 1, forward_backward=_batch(1))
+        outcomes = await harness.settled(first, *later)
+
+    assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
+    assert await harness.completion_order("patient") == [0, 1, 2, 3]
+
+
+async def test_requests_far_ahead_wait_outside_memory_and_run_in_order(harness: Harness) -> None:
+    """With a buffer of 0.25 MiB, forward_backwards of about 0.1 MiB that wait for request 1
+    keep two payloads in memory; the others are read back from the log when their turn comes.
+    They run exactly as the same requests sent in order."""
+    budget_mb = 0.25
+    batches = [_batch(seed, datums=24, length=384) for seed in range(8)]
+    assert 0.08 < len(batches[0].SerializeToString()) / 2**20 < 0.125
+    async with harness.trainer(buffer_mb=budget_mb) as trainer:
+        for model_id in ("ahead", "in-order"):
+            await harness.create(model_id)
+        ahead = [
+            await harness.accept("ahead", seq_id, forward_backward=batch)
+            for seq_id, batch in enumerate(batches[1:], start=2)
+        ]
+        ahead.append(await harness.accept("ahead", 9, optim_step=bus.OptimStep(adam=ADAM)))
+        queue = await _queue(harness, trainer, "ahead", waiting=8)
+
+        held = [work.delivery for work in queue.pending.values()]
+        in_memory = sum(len(delivery.data) for delivery in held if not delivery.released)
+        assert in_memory == trainer.buffered_bytes <= budget_mb * 2**20
+        # Two forward_backwards and the small optim_step fit; the other five were released.
+        assert sum(delivery.released for delivery in held) == 5
+
+        first = await harness.accept("ahead", 1, forward_backward=batches[0])
+        in_order = [
+            await harness.accept("in-order", seq_id, forward_backward=batch)
+            for seq_id, batch in enumerate(batches, start=1)
+        ]
+        in_order.append(await harness.accept("in-order", 9, optim_step=bus.OptimStep(adam=ADAM)))
+        outcomes = await harness.settled(first, *ahead, *in_order)
+
+        assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
+        assert trainer.buffered_bytes == 0
+        assert await harness.completion_order("ahead") == list(range(10))
+        results = [await harness.eventlog.get_result(o.result_seq) for o in outcomes]
+        assert results[:8] == results[9:17]  # each forward_backward's output, bit for bit
+        a, b = _weights(trainer, "ahead"), _weights(trainer, "in-order")
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+async def _queue(harness: Harness, trainer: Trainer, model_id: str, waiting: int) -> _RunQueue:
+    await harness.until(
+        lambda: model_id in trainer.queues and len(trainer.queues[model_id].pending) == waiting
+    )
+    return trainer.queues[model_id]
+
+
+async def test_a_stop_is_quick_snapshots_its_runs_and_hands_the_waiting_requests_back(
+    harness: Harness,
+) -> None:
+    async with harness.trainer() as trainer:
+        await harness.create("kept")
+        await harness.settled(await harness.accept("kept", 1, forward_backward=_batch(1)))
+        waiting = await harness.accept("kept", 3, optim_step=bus.OptimStep(adam=ADAM))
+        await _queue(harness, trainer, "kept", waiting=1)
+
+        began = time.monotonic()
+        await trainer.stop()
+        stopped_in = time.monotonic() - began
+
+    assert stopped_in < 3.0
+    snapshot = harness.projection.state.runs["kept"].snapshot
+    assert snapshot is not None and snapshot.next_seq_id == 2
+    async with harness.trainer():
+        gap = await harness.accept("kept", 2, forward_backward=_batch(2))
+        # Well within the ack wait (60 s): request 3 was handed back, not left to expire.
+        outcomes = await harness.settled(gap, waiting, timeout=30)
+    assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
+    assert await harness.completion_order("kept") == [0, 1, 2, 3]
