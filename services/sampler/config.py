@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tinsmith import models
 
-from .engine import default_engine_kind
+from .engine import DEFAULT_ROWS_PER_REQUEST, default_engine_kind
 
 # Trainer and sampler compute at the same time in RL loops: by default each takes half the cores.
 # Oversubscribed torch threads spin-wait on each other (measured: a step 10x slower).
@@ -29,6 +29,9 @@ class SamplerConfig:
     adapter_cache_mb: int = 1024
     # A request a replica holds and stops extending (the replica died) goes to another after this.
     ack_wait_s: float = 30.0
+    # Rows (sequences decoding at once) one request holds in the torch engine's batch at most;
+    # the rest of its samples wait for them, so a long request leaves room for short ones.
+    rows_per_request: int = DEFAULT_ROWS_PER_REQUEST
 
     @classmethod
     def from_env(cls) -> SamplerConfig:
@@ -41,4 +44,5 @@ class SamplerConfig:
             batch=int(env("TINSMITH_SAMPLER_BATCH", cls.batch)),
             adapter_cache_mb=int(env("TINSMITH_ADAPTER_CACHE_MB", cls.adapter_cache_mb)),
             ack_wait_s=float(env("TINSMITH_SAMPLER_ACK_WAIT_S", cls.ack_wait_s)),
+            rows_per_request=int(env("TINSMITH_SAMPLER_ROWS_PER_REQUEST", cls.rows_per_request)),
         )

@@ -9,6 +9,9 @@ where vLLM is installed). One contract suite (tests/sampler/test_contract.py) ru
 All engine methods run on the process's one compute thread (tinsmith.compute), never
 concurrently with each other.
 
+Failures are per request: ``add`` refuses what no engine can run (``check_command``: an empty
+prompt, a NaN temperature, ...), and a request that fails later fails alone (``step``).
+
 Streaming: a request whose command sets ``stream_to`` reports its tokens as they are generated:
 ``progress`` returns what each such request's sequences gained since the previous call. An
 engine tracks nothing of the kind for the other requests, so a batch without streamed requests
@@ -22,6 +25,7 @@ work (handlers.py).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +51,12 @@ TOPK_EMPTY_LOGPROB = -99999.0
 
 # The adapter cache's bound when TINSMITH_ADAPTER_CACHE_MB does not set one.
 DEFAULT_ADAPTER_CACHE_BYTES = 1 << 30
+# The rows (sequences) one request holds in the torch engine's running batch at a time, when
+# TINSMITH_SAMPLER_ROWS_PER_REQUEST does not say: a quarter of its 256 rows, so that a request
+# with many samples leaves room for others (a short request joins at the next step) while a
+# step still decodes 64 sequences of it; on CPU, where a step's cost grows about in proportion
+# to its rows well below that, it costs a request alone little (bench/sample_fairness.py).
+DEFAULT_ROWS_PER_REQUEST = 64
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,9 @@ class Engine(Protocol):
 
     def step(self) -> list[tuple[int, bytes | Exception]]:
         """Advance all work by one token; return the tickets that finished, each with its
-        serialized ``SampleResponse`` or the exception that failed it alone."""
+        serialized ``SampleResponse`` or the exception that failed it alone. A request that
+        fails leaves the engine, and the others go on as if it had never been there: a step
+        raises only for what it cannot pin on its requests."""
 
     def progress(self) -> list[Delta]:
         """The tokens the streamed requests (``command.stream_to``) generated since the previous
@@ -106,13 +118,17 @@ class Engine(Protocol):
 
 
 def make_engine(config: SamplerConfig) -> Engine:
-    """The engine ``config.engine`` names: ``torch`` or ``vllm``."""
+    """The engine ``config.engine`` names: ``torch`` or ``vllm``. ``rows_per_request`` is the
+    torch engine's (vLLM's scheduler shares its batch by itself)."""
     adapter_cache_bytes = config.adapter_cache_mb << 20
     if config.engine == "torch":
         from .torch_engine import TorchEngine
 
         engine: Engine = TorchEngine(
-            config.cache_dir, config.torch_threads, adapter_cache_bytes=adapter_cache_bytes
+            config.cache_dir,
+            config.torch_threads,
+            adapter_cache_bytes=adapter_cache_bytes,
+            rows_per_request=config.rows_per_request,
         )
         return engine
     if config.engine == "vllm":
@@ -163,6 +179,13 @@ def check_command(command: bus.Sample, vocab_size: int) -> None:
         raise InvalidRequest(f"a prompt token is outside the vocabulary [0, {vocab_size})")
     if command.num_samples < 0:
         raise InvalidRequest("num_samples must not be negative")
+    temperature = command.params.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        # NaN slips past every comparison, and would make the probabilities NaN.
+        raise InvalidRequest(
+            f"temperature must be a finite number >= 0 (0: the most likely token), got "
+            f"{temperature!r}"
+        )
     for field in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if not 0 <= getattr(command, field) <= MAX_TOPK_LOGPROBS:
             raise InvalidRequest(f"{field} must be between 0 and {MAX_TOPK_LOGPROBS}")

@@ -2,21 +2,45 @@
 batching with a KV cache.
 
 One running batch per base model holds a row per sequence being sampled. Each ``step`` first
-prefills the requests added since the last one (left-padded together, each row with its own
-positions), copies each request's prompt cache to its ``num_samples`` rows and merges them into
-the running batch (the shorter cache left-padded, masked out); then it samples one token for
-every row and runs one forward of all rows that go on. Rows may use different adapters: PEFT's
-mixed-adapter forward takes one adapter name per row (``__base__`` for none). Finished rows leave
-the batch, and cache columns that no row attends to any more are cut off.
+admits waiting sequences (below), then samples one token for every row and runs one forward of
+all rows that go on. A request's prompt is prefilled once (the requests prefilled in one step are
+left-padded together, each row with its own positions); its cache is copied to one row per
+sequence, and the new rows are merged into the running batch (the shorter cache left-padded,
+masked out). Rows may use different adapters: PEFT's mixed-adapter forward takes one adapter name
+per row (``__base__`` for none). Finished rows leave the batch, and cache columns that no row
+attends to any more are cut off.
+
+Fair sharing: one request holds at most ``rows_per_request`` rows at a time
+(``TINSMITH_SAMPLER_ROWS_PER_REQUEST``, 64), the batch at most ``max_rows`` (256). A request whose
+sequences do not all get rows is admitted in slices: its prompt's cache (one row) and its first
+token's logits are kept, and its other sequences wait: at the back of the waiting line when the
+batch was full; when it holds its share, out of the line until some of its rows finish, and then
+at the back of it, behind the requests that came meanwhile. So a long request leaves room in the
+batch, and a short one that arrives while it decodes joins at the next step. Prompt logprobs and
+the other prompt scores are computed once, at the prefill. (Models whose cache has
+sliding-window layers cannot join batches: their requests are admitted whole, into an empty
+batch.)
 
 Each sequence has its own generator, seeded from (seed, index), so what a seeded request
-samples does not depend on ``num_samples`` or on what else is in the batch.
+samples does not depend on ``num_samples``, on the slices it was admitted in, or on what else is
+in the batch.
 
 Logprobs are the model's raw log-probabilities (before temperature, top-k or top-p), which is
-what the trainer's forward computes, so RL importance ratios compare like with like.
+what the trainer's forward computes, so RL importance ratios compare like with like. Sampling
+divides the logits minus the row's largest by the temperature, so any temperature above 0 is
+stable (a denormal one is the greedy limit); 0 is the most likely token.
 
-Owns: every torch call of the sampler, the sampling rules and the adapter cache (LRU, bounded by
-the adapters' bytes; adapters that queued or running requests use are never evicted).
+Failures are the request's own: a request whose prompt scoring, sampling or bookkeeping raises,
+or whose logits are not finite (NaN or infinite: its adapter's weights, most likely), fails
+alone, ``Unprocessable`` for the non-finite numbers; its rows leave the batch and its cache
+before the next forward, and its waiting sequences leave the line. A prefill forward of several
+prompts that raises runs again for each alone, so only the culprit fails. A decoding forward that
+raises, which no one request can be blamed for, fails the requests of its batch: the engine
+itself goes on, and its next step starts clean.
+
+Owns: every torch call of the sampler, the sampling rules, admission to the batch and the adapter
+cache (LRU, bounded by the adapters' bytes; adapters that queued or running requests use are
+never evicted).
 """
 
 from __future__ import annotations
@@ -25,7 +49,7 @@ import json
 import logging
 import math
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +65,11 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import Unprocessable
 
 from .engine import (
     DEFAULT_ADAPTER_CACHE_BYTES,
+    DEFAULT_ROWS_PER_REQUEST,
     AdapterMissing,
     Delta,
     alt_tokens_message,
@@ -66,6 +92,10 @@ BASE_ADAPTER = "__base__"
 DEFAULT_MAX_ROWS = 256
 # The generator stream of a request's prompt_alt_tokens draws (sequence i uses stream i).
 _ALT_STREAM = 2**32
+# Temperatures below it sample as if they were it (``_tempered``).
+_SMALLEST_NORMAL = float(torch.finfo(torch.float32).tiny)
+
+Finished = list[tuple[int, bytes | Exception]]
 
 
 @dataclass
@@ -81,11 +111,24 @@ class _Base:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     vocab_size: int
+    # Whether its cache layers are plain (no sliding window): only those can be left-padded and
+    # joined, so only those take requests while a batch runs, and in slices.
+    plain: bool
     adapters: OrderedDict[str, _Adapter] = field(default_factory=OrderedDict)  # LRU first
     loaded: int = 0  # adapters ever loaded, for unique PEFT names
 
 
 @dataclass
+class _Prompt:
+    """A prefilled prompt, kept while some of its request's sequences wait for rows: its cache
+    as one row without padding, and the logits of the first token to sample."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # keys, values: [1, heads, length, size]
+    logits: torch.Tensor  # [vocab]
+    length: int
+
+
+@dataclass(eq=False)  # compared and hashed by identity
 class _Request:
     ticket: int
     command: bus.Sample
@@ -95,9 +138,26 @@ class _Request:
     stop_strs: list[str]
     seed: int = 0
     response: tp.SampleResponse = field(default_factory=tp.SampleResponse)
-    sequences: list[_Sequence] = field(default_factory=list)
-    unfinished: int = 0
+    sequences: list[_Sequence] = field(default_factory=list)  # those given rows, by index
+    unfinished: int = 0  # sequences not finished yet, with rows or waiting for them
+    running: int = 0  # its rows in the running batch
+    prefilled: bool = False
+    prompt: _Prompt | None = None  # while sequences wait for rows (after the first slice)
     cancelled: bool = False
+    failed: bool = False
+    done: bool = False
+
+    @property
+    def gone(self) -> bool:
+        """Cancelled or failed: its rows leave the batch at the next chance."""
+        return self.cancelled or self.failed
+
+    @property
+    def left(self) -> int:
+        """Its sequences that have no row yet."""
+        if self.command.params.max_tokens <= 0:
+            return 0
+        return self.command.num_samples - len(self.sequences)
 
 
 @dataclass
@@ -131,13 +191,20 @@ class TorchEngine:
         *,
         adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES,
         max_rows: int = DEFAULT_MAX_ROWS,
+        rows_per_request: int = DEFAULT_ROWS_PER_REQUEST,
     ) -> None:
+        if max_rows < 1 or rows_per_request < 1:
+            raise ValueError("max_rows and rows_per_request must be at least 1")
         self.cache_dir = cache_dir
         self.threads = threads
         self.adapter_cache_bytes = adapter_cache_bytes
         self.max_rows = max_rows
+        self.rows_per_request = min(rows_per_request, max_rows)
         self.bases: dict[str, _Base] = {}
-        self._waiting: list[_Request] = []
+        self._waiting: list[_Request] = []  # the waiting line: requests with sequences to admit
+        # Requests with sequences left that hold their share of rows: each goes to the back of
+        # the line once some of its rows finish.
+        self._parked: list[_Request] = []
         self._batches: dict[str, _Batch] = {}
         self._requests: dict[int, _Request] = {}
         self._streamed: dict[int, _Request] = {}  # the requests that report their progress
@@ -162,7 +229,8 @@ class TorchEngine:
             tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
             embeddings = model.get_input_embeddings()
             assert isinstance(embeddings, torch.nn.Embedding)
-            base = _Base(name, model, tokenizer, eos_ids, embeddings.num_embeddings)
+            plain = _mergeable(DynamicCache(config=model.config))
+            base = _Base(name, model, tokenizer, eos_ids, embeddings.num_embeddings, plain)
             self.bases[name] = base
         return base
 
@@ -233,6 +301,7 @@ class TorchEngine:
         params = command.params
         seed = params.seed if params.HasField("seed") else random.getrandbits(63)
         request = _Request(ticket, command, base, adapter, stop_ids, stop_strs, seed)
+        request.unfinished = request.left
         self._requests[ticket] = request
         self._waiting.append(request)
         if command.stream_to:
@@ -240,6 +309,20 @@ class TorchEngine:
 
     def has_work(self) -> bool:
         return bool(self._requests)
+
+    def batch_rows(self, base_model: str) -> dict[int, int]:
+        """How many rows each request (by ticket) holds in ``base_model``'s running batch, whose
+        KV cache has exactly one row for each."""
+        batch = self._batches.get(base_model)
+        if batch is None:
+            return {}
+        cached = {
+            keys.shape[0]
+            for layer in batch.cache.layers
+            if isinstance(keys := getattr(layer, "keys", None), torch.Tensor)
+        }
+        assert cached <= {len(batch.rows)}, (cached, len(batch.rows))
+        return dict(Counter(row.request.ticket for row in batch.rows))
 
     def progress(self) -> list[Delta]:
         if not self._streamed:
@@ -262,59 +345,125 @@ class TorchEngine:
         if request is None:
             return
         request.cancelled = True
-        if request in self._waiting:
-            self._waiting.remove(request)
+        self._unqueue(request)
+        if request.running == 0:
             del self._requests[ticket]
         # Otherwise its rows leave the batch at the next step, and it is forgotten then.
 
-    def step(self) -> list[tuple[int, bytes | Exception]]:
-        finished: list[tuple[int, bytes | Exception]] = []
+    def step(self) -> Finished:
+        finished: Finished = []
         self._admit(finished)
         for name, batch in list(self._batches.items()):
-            if not self._decode(batch, finished):
+            try:
+                going = self._decode(batch, finished)
+            except Exception as exc:
+                # Its forward, which no one request can be blamed for: the requests in it fail,
+                # and the engine goes on without the batch.
+                log.exception("a decoding step of %d rows failed", len(batch.rows))
+                self._fail_all(batch.rows, exc, finished)
+                going = False
+            if not going:
                 del self._batches[name]
         for ticket, _ in finished:
             self._requests.pop(ticket, None)
         return finished
 
-    def _admit(self, finished: list[tuple[int, bytes | Exception]]) -> None:
-        """Prefill the waiting requests that fit, and merge them into their base's batch."""
-        waiting, self._waiting = self._waiting, []
-        rows = {name: len(batch.rows) for name, batch in self._batches.items()}
-        admitted: dict[str, list[_Request]] = {}
-        for request in waiting:
+    def _fail(self, request: _Request, error: Exception, finished: Finished) -> None:
+        """Fail one request alone: its outcome is ``error``, and its rows leave the batch at the
+        next chance (``_decode`` skips them)."""
+        if request.gone or request.done:
+            return
+        request.failed = True
+        finished.append((request.ticket, error))
+        self._unqueue(request)
+
+    def _fail_all(self, rows: list[_Sequence], error: Exception, finished: Finished) -> None:
+        """Fail every request with a row in ``rows``, rows that are dropped."""
+        for row in rows:
+            row.request.running -= 1
+        for request in _requests_of(rows):
+            self._fail(request, error, finished)
+        self._forget_cancelled()
+
+    def _unqueue(self, request: _Request) -> None:
+        request.prompt = None
+        for queue in (self._waiting, self._parked):
+            if request in queue:
+                queue.remove(request)
+
+    def _admit(self, finished: Finished) -> None:
+        """Give waiting sequences rows, in the order of the waiting line: each request at most
+        ``rows_per_request`` at a time, the batch at most ``max_rows``. A request that got rows
+        for some of its sequences only goes to the back of the line, or, when it holds its
+        share, leaves the line until some of its rows finish and then goes to the back: behind
+        the requests that came meanwhile. One that got none keeps its place. New prompts are
+        prefilled; later slices reuse their request's prefilled prompt."""
+        parked = self._parked
+        self._parked = [r for r in parked if r.running >= self.rows_per_request]
+        self._waiting.extend(r for r in parked if r.running < self.rows_per_request)
+        line, self._waiting = self._waiting, []
+        used = {name: len(batch.rows) for name, batch in self._batches.items()}
+        fresh: dict[str, list[tuple[_Request, int]]] = {}  # to prefill, with rows to give
+        more: dict[str, list[tuple[_Request, int]]] = {}  # prefilled already
+        behind: list[_Request] = []
+        for request in line:
             name = request.base.name
-            running = self._batches.get(name)
-            want = request.command.num_samples
-            fits = rows.get(name, 0) + want <= self.max_rows or rows.get(name, 0) == 0
-            if (running is not None and not _mergeable(running.cache)) or not fits:
+            left = request.left
+            if not request.prefilled and left == 0:  # only its prompt to score
+                fresh.setdefault(name, []).append((request, 0))
+                continue
+            if request.base.plain:
+                room = self.max_rows - used.get(name, 0)
+                take = min(left, self.rows_per_request - request.running, room)
+            else:
+                # Sliding-window caches cannot be joined: a batch forms once, of requests
+                # admitted whole, and takes no more until it is done.
+                alone = name not in self._batches and used.get(name, 0) == 0
+                fits = name not in self._batches and used.get(name, 0) + left <= self.max_rows
+                take = left if alone or fits else 0
+            if take <= 0:
                 self._waiting.append(request)
                 continue
-            rows[name] = rows.get(name, 0) + want
-            admitted.setdefault(name, []).append(request)
-        for name, requests in admitted.items():
-            for batch in self._prefill_isolating(requests, finished):
+            used[name] = used.get(name, 0) + take
+            (more if request.prefilled else fresh).setdefault(name, []).append((request, take))
+            if take < left and request.running + take >= self.rows_per_request:
+                self._parked.append(request)
+            elif take < left:
+                behind.append(request)
+        self._waiting.extend(behind)
+        for name in {**fresh, **more}:
+            parts = self._prefill_isolating(fresh.get(name, []), finished)
+            if name in more:
+                try:
+                    parts.append(self._from_prompts(more[name]))
+                except Exception as exc:  # copying prompts, which is no one request's doing
+                    log.exception("could not give rows to %d requests", len(more[name]))
+                    for request, _ in more[name]:
+                        self._fail(request, exc, finished)
+            for part in parts:
                 running = self._batches.get(name)
-                self._batches[name] = batch if running is None else _merge(running, batch)
+                try:
+                    self._batches[name] = part if running is None else _merge(running, part)
+                except Exception as exc:  # joining them, which is no one request's doing
+                    log.exception("could not merge %d new rows into the batch", len(part.rows))
+                    self._fail_all(part.rows, exc, finished)
 
     def _prefill_isolating(
-        self, requests: list[_Request], finished: list[tuple[int, bytes | Exception]]
+        self, slices: list[tuple[_Request, int]], finished: Finished
     ) -> list[_Batch]:
+        """Prefill the requests of ``slices`` together; if that forward fails, each alone, so
+        that only the culprit fails."""
+        if not slices:
+            return []
         try:
-            batch, done = self._prefill(requests)
+            forward = self._prefill(slices)
         except Exception as exc:
-            if len(requests) == 1:
-                finished.append((requests[0].ticket, exc))
+            if len(slices) == 1:
+                self._fail(slices[0][0], exc, finished)
                 return []
-        else:
-            finished.extend(done)
-            return [batch] if batch else []
-        # Something in the batch broke it: prefill each alone, so only the culprit fails.
-        log.exception("a prefill of %d requests failed; running them one by one", len(requests))
-        batches = []
-        for request in requests:
-            batches.extend(self._prefill_isolating([request], finished))
-        return batches
+            log.exception("a prefill of %d requests failed; running them one by one", len(slices))
+            return [b for one in slices for b in self._prefill_isolating([one], finished)]
+        return self._prefilled(slices, forward, finished)
 
     def _forward(self, base: _Base, adapters: list[str], **inputs: object) -> Any:
         """One forward of rows that may each use a different adapter (PEFT mixed batches)."""
@@ -324,16 +473,9 @@ class TorchEngine:
         return base.model(**inputs)
 
     @torch.inference_mode()
-    def _prefill(
-        self, requests: list[_Request]
-    ) -> tuple[_Batch | None, list[tuple[int, bytes | Exception]]]:
-        """Run the prompts once and fill in prompt logprobs. Returns a row per sequence (None when
-        no request samples anything) and the requests already finished (nothing to sample)."""
-        finished: list[tuple[int, bytes | Exception]] = []
-        for request in requests:  # from scratch, should an earlier try have failed midway
-            request.response = tp.SampleResponse()
-            request.sequences = []
-        base = requests[0].base
+    def _prefill(self, slices: list[tuple[_Request, int]]) -> _Prefill:
+        """One forward of the prompts, left-padded together."""
+        requests = [request for request, _ in slices]
         lengths = [len(r.command.prompt) for r in requests]
         width = max(lengths)
         input_ids = torch.zeros((len(requests), width), dtype=torch.long)
@@ -346,7 +488,7 @@ class TorchEngine:
             positions[i, pad:] = torch.arange(lengths[i])
         want_prompt = any(_wants_prompt_scores(r.command) for r in requests)
         out = self._forward(
-            base,
+            requests[0].base,
             [r.adapter for r in requests],
             input_ids=input_ids,
             attention_mask=mask,
@@ -354,86 +496,151 @@ class TorchEngine:
             use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
         )
-        owners: list[int] = []
-        for i, request in enumerate(requests):
-            command = request.command
-            if _wants_prompt_scores(command):
-                _score_prompt(request, out.logits[i, width - lengths[i] :])
-            if command.params.max_tokens <= 0 or command.num_samples == 0:
-                finished.append((request.ticket, _response(request)))
-                continue
-            for n in range(command.num_samples):
-                generator = torch.Generator().manual_seed(_stream_seed(request.seed, n))
-                request.sequences.append(_Sequence(request, generator))
-                owners.append(i)
-            request.unfinished = command.num_samples
-        if not owners:
-            return None, finished
-        index = torch.tensor(owners, dtype=torch.long)
-        cache = out.past_key_values
-        cache.reorder_cache(index)
-        batch = _Batch(
-            rows=[s for r in requests for s in r.sequences],
-            cache=cache,
-            mask=mask[index],
-            logits=out.logits[:, -1, :].float()[index],
-            positions=torch.tensor([lengths[i] for i in owners], dtype=torch.long),
-        )
-        return batch, finished
+        return _Prefill(out.past_key_values, out.logits, mask, lengths)
 
     @torch.inference_mode()
-    def _decode(self, batch: _Batch, finished: list[tuple[int, bytes | Exception]]) -> bool:
+    def _prefilled(
+        self, slices: list[tuple[_Request, int]], prefill: _Prefill, finished: Finished
+    ) -> list[_Batch]:
+        """Each request's share of a prefill: its prompt scores, its first rows (and its prompt
+        kept for the rows to come). A request that fails here fails alone. Returns the new rows
+        as one batch (none when no request samples anything)."""
+        width = max(prefill.lengths)
+        owners: list[int] = []
+        rows: list[_Sequence] = []
+        for i, (request, take) in enumerate(slices):
+            length = prefill.lengths[i]
+            try:
+                if _wants_prompt_scores(request.command):
+                    _score_prompt(request, prefill.logits[i, width - length :])
+                request.prefilled = True
+                if request.left == 0:
+                    request.done = True
+                    finished.append((request.ticket, _response(request)))
+                    continue
+                if take < request.left:
+                    request.prompt = _keep_prompt(prefill, i)
+                rows.extend(self._start(request, take))
+                owners.extend([i] * take)
+            except Exception as exc:
+                self._fail(request, exc, finished)
+        if not owners:
+            return []
+        index = torch.tensor(owners, dtype=torch.long)
+        cache = prefill.cache
+        cache.reorder_cache(index)  # type: ignore[arg-type]
+        batch = _Batch(
+            rows=rows,
+            cache=cache,
+            mask=prefill.mask[index],
+            logits=prefill.logits[:, -1, :].float()[index],
+            positions=torch.tensor([prefill.lengths[i] for i in owners], dtype=torch.long),
+        )
+        return [batch]
+
+    def _start(self, request: _Request, take: int) -> list[_Sequence]:
+        """Rows for the next ``take`` sequences of ``request``, each with its own generator."""
+        first = len(request.sequences)
+        rows = [
+            _Sequence(request, torch.Generator().manual_seed(_stream_seed(request.seed, n)))
+            for n in range(first, first + take)
+        ]
+        request.sequences.extend(rows)
+        request.running += take
+        if request.left == 0:
+            request.prompt = None
+        return rows
+
+    @torch.inference_mode()
+    def _from_prompts(self, slices: list[tuple[_Request, int]]) -> _Batch:
+        """The rows of later slices, from their requests' kept prompts (no forward)."""
+        prompts = [(request.prompt, take) for request, take in slices]
+        assert all(prompt is not None for prompt, _ in prompts)
+        width = max(prompt.length for prompt, _ in prompts if prompt is not None)
+
+        def rows_of(x: torch.Tensor, length: int, take: int) -> torch.Tensor:
+            padded = F.pad(x, [0, 0, width - length, 0])  # on the left of the columns
+            return padded.expand(take, -1, -1, -1)
+
+        layers = []
+        for layer in range(len(prompts[0][0].layers)):  # type: ignore[union-attr]
+            keys, values = [], []
+            for prompt, take in prompts:
+                assert prompt is not None
+                k, v = prompt.layers[layer]
+                keys.append(rows_of(k, prompt.length, take))
+                values.append(rows_of(v, prompt.length, take))
+            layers.append((torch.cat(keys), torch.cat(values)))
+        masks, logits, positions = [], [], []
+        for prompt, take in prompts:
+            assert prompt is not None
+            mask = torch.zeros((take, width), dtype=torch.long)
+            mask[:, width - prompt.length :] = 1
+            masks.append(mask)
+            logits.append(prompt.logits.expand(take, -1))
+            positions.append(torch.full((take,), prompt.length, dtype=torch.long))
+        rows = [row for request, take in slices for row in self._start(request, take)]
+        return _Batch(
+            rows=rows,
+            cache=DynamicCache(ddp_cache_data=layers),
+            mask=torch.cat(masks),
+            logits=torch.cat(logits),
+            positions=torch.cat(positions),
+        )
+
+    @torch.inference_mode()
+    def _decode(self, batch: _Batch, finished: Finished) -> bool:
         """Sample one token for every row, then run the rows that go on one token further.
         Returns whether any row goes on."""
+        _select(batch, [p for p, row in enumerate(batch.rows) if not row.request.gone])
+        self._forget_cancelled()
+        if not batch.rows:
+            return False
+        places = _places(batch.rows)
+        peak = batch.logits.amax(dim=-1)  # NaN where a logit is NaN
+        finite = torch.isfinite(peak)
+        if not bool(finite.all()):
+            for request, where in places.items():
+                broken = [p for p in where if not finite[p]]
+                if broken:
+                    generated = len(batch.rows[broken[0]].tokens)
+                    at = (
+                        f"in {len(broken)} of this request's {len(where)} running sequences "
+                        f"(after {generated} sampled tokens)"
+                    )
+                    self._fail(request, _nonfinite(request, batch.logits[broken], at), finished)
         raw = torch.log_softmax(batch.logits, dim=-1)
-        chosen = torch.empty(len(batch.rows), dtype=torch.long)
-        by_request: dict[int, list[int]] = {}
-        for p, row in enumerate(batch.rows):
-            by_request.setdefault(id(row.request), []).append(p)
-        for places in by_request.values():
-            request = batch.rows[places[0]].request
-            index = torch.tensor(places, dtype=torch.long)
-            generators = [batch.rows[p].generator for p in places]
-            chosen[index] = _choose(batch.logits[index], request.command.params, generators)
+        chosen = torch.zeros(len(batch.rows), dtype=torch.long)
+        for request, where in places.items():
+            if request.gone:
+                continue
+            index = torch.tensor(where, dtype=torch.long)
+            generators = [batch.rows[p].generator for p in where]
+            try:
+                chosen[index] = _choose(
+                    batch.logits[index], peak[index], request.command.params, generators
+                )
+            except Exception as exc:
+                self._fail(request, exc, finished)
         chosen_lp = raw.gather(-1, chosen[:, None])[:, 0].tolist()
         widest = max(row.request.command.topk_sample_logprobs for row in batch.rows)
         top = raw.topk(widest, dim=-1) if widest else None
 
-        keep: list[int] = []
         for p, row in enumerate(batch.rows):
             request = row.request
-            if request.cancelled:
-                request.unfinished -= 1
-                if request.unfinished == 0:
-                    self._requests.pop(request.ticket, None)
+            if request.gone:
                 continue
-            token = int(chosen[p])
-            row.tokens.append(token)
-            row.logprobs.append(chosen_lp[p])
-            k = request.command.topk_sample_logprobs
-            if k and top is not None:
-                row.topk_ids.append(top.indices[p, :k].numpy())
-                row.topk_logprobs.append(top.values[p, :k].numpy())
-            if token in request.stop_ids or (
-                request.stop_strs
-                and _ends_with_stop(request.base.tokenizer, row.tokens, request.stop_strs)
-            ):
-                row.stopped = True
-            elif len(row.tokens) < request.command.params.max_tokens:
-                keep.append(p)
-                continue
-            request.unfinished -= 1
-            if request.unfinished == 0:
-                finished.append((request.ticket, _response(request)))
+            try:
+                self._advance(row, int(chosen[p]), chosen_lp[p], top, p, finished)
+            except Exception as exc:
+                self._fail(request, exc, finished)
+        keep = [p for p, row in enumerate(batch.rows) if _goes_on(row)]
         if not keep:
+            _select(batch, keep)
+            self._forget_cancelled()
             return False
-        if len(keep) < len(batch.rows):
-            index = torch.tensor(keep, dtype=torch.long)
-            batch.cache.reorder_cache(index)  # type: ignore[arg-type]
-            batch.rows = [batch.rows[p] for p in keep]
-            batch.mask, batch.positions = batch.mask[index], batch.positions[index]
-            chosen = chosen[index]
-            _trim(batch)
+        chosen = chosen[torch.tensor(keep, dtype=torch.long)]
+        _select(batch, keep)
         batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
         out = self._forward(
             batch.rows[0].request.base,
@@ -448,6 +655,110 @@ class TorchEngine:
         batch.logits = out.logits[:, -1, :].float()
         batch.positions = batch.positions + 1
         return True
+
+    def _advance(
+        self,
+        row: _Sequence,
+        token: int,
+        logprob: float,
+        top: Any,
+        p: int,
+        finished: Finished,
+    ) -> None:
+        """Append a row's new token; finish its request when this was its last."""
+        request = row.request
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        k = request.command.topk_sample_logprobs
+        if k and top is not None:
+            row.topk_ids.append(top.indices[p, :k].numpy())
+            row.topk_logprobs.append(top.values[p, :k].numpy())
+        if token in request.stop_ids or (
+            request.stop_strs
+            and _ends_with_stop(request.base.tokenizer, row.tokens, request.stop_strs)
+        ):
+            row.stopped = True
+        elif len(row.tokens) < request.command.params.max_tokens:
+            return
+        request.unfinished -= 1
+        if request.unfinished == 0:
+            body = _response(request)
+            request.done = True
+            finished.append((request.ticket, body))
+
+    def _forget_cancelled(self) -> None:
+        for ticket, request in list(self._requests.items()):
+            if request.cancelled and request.running == 0:
+                del self._requests[ticket]
+
+
+@dataclass
+class _Prefill:
+    """One forward of prompts: its cache, logits (all positions, or the last one), the prompts'
+    attention mask and lengths (left-padded to the longest)."""
+
+    cache: DynamicCache
+    logits: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+
+
+def _keep_prompt(prefill: _Prefill, i: int) -> _Prompt:
+    """Prompt ``i`` of a prefill, as one row of its own (plain cache layers only)."""
+    length = prefill.lengths[i]
+    start = max(prefill.lengths) - length
+    layers = []
+    for layer in prefill.cache.layers:
+        keys, values = _kv(layer)
+        layers.append((keys[i : i + 1, :, start:].clone(), values[i : i + 1, :, start:].clone()))
+    return _Prompt(layers, prefill.logits[i, -1].float().clone(), length)
+
+
+def _places(rows: list[_Sequence]) -> dict[_Request, list[int]]:
+    """Each request's rows, by position in the batch."""
+    places: dict[_Request, list[int]] = {}
+    for p, row in enumerate(rows):
+        places.setdefault(row.request, []).append(p)
+    return places
+
+
+def _requests_of(rows: list[_Sequence]) -> list[_Request]:
+    return list(_places(rows))
+
+
+def _goes_on(row: _Sequence) -> bool:
+    request = row.request
+    return (
+        not request.gone and not row.stopped and len(row.tokens) < request.command.params.max_tokens
+    )
+
+
+def _nonfinite(request: _Request, logits: torch.Tensor, where: str) -> Unprocessable:
+    """The failure of a request whose logits are not finite (``where``: which of them)."""
+    if bool(torch.isnan(logits).any()):
+        what = "NaN"
+    elif bool(torch.isposinf(logits).any()):
+        what = "infinite"
+    else:
+        what = "-inf everywhere"
+    return Unprocessable(
+        f"the model's logits are {what} {where}, so nothing can be sampled or scored: "
+        + _likely_cause(request)
+    )
+
+
+def _likely_cause(request: _Request) -> str:
+    key = request.command.adapter_key
+    if key:
+        return (
+            f"the likely cause is the adapter's weights ({key!r}): NaN or infinite values, or "
+            "so large that the forward overflows (a training run that diverged; sample from an "
+            "earlier checkpoint, or train with a lower learning rate)"
+        )
+    return (
+        f"the base model {request.base.name!r} itself overflowed on this input (its weights "
+        "hold NaN or infinite values, or are too large for float32)"
+    )
 
 
 # --- batches -----------------------------------------------------------------------------------
@@ -488,6 +799,25 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
     )
 
 
+def _select(batch: _Batch, keep: list[int]) -> None:
+    """Keep only the rows at positions ``keep`` (in that order), in the cache too; the others
+    leave their request's count of running rows."""
+    if len(keep) == len(batch.rows):
+        return
+    kept = set(keep)
+    for p, row in enumerate(batch.rows):
+        if p not in kept:
+            row.request.running -= 1
+    batch.rows = [batch.rows[p] for p in keep]
+    if not keep:
+        return
+    index = torch.tensor(keep, dtype=torch.long)
+    batch.cache.reorder_cache(index)  # type: ignore[arg-type]
+    batch.mask, batch.positions = batch.mask[index], batch.positions[index]
+    batch.logits = batch.logits[index]
+    _trim(batch)
+
+
 def _trim(batch: _Batch) -> None:
     """Cut the leading cache columns that no row attends to (they were padding for rows that
     have left)."""
@@ -524,7 +854,11 @@ def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
     (position 0 at least); the logprobs of named target ids; draws of alternative tokens."""
     command = request.command
     prompt = torch.tensor(list(command.prompt), dtype=torch.long)
-    raw = torch.log_softmax(logits.float(), dim=-1)
+    logits = logits.float()
+    peak = logits.amax(dim=-1)
+    if not bool(torch.isfinite(peak).all()):
+        raise _nonfinite(request, logits, "over this request's prompt")
+    raw = torch.log_softmax(logits, dim=-1)
     start = prompt_window(command)
     length = len(prompt)
     if command.prompt_logprobs:
@@ -554,7 +888,7 @@ def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
         if command.params.temperature == 0:
             drawn = table.argmax(-1, keepdim=True).expand(-1, k)
         else:
-            probs = torch.softmax(logits[:-1].float() / command.params.temperature, dim=-1)
+            probs = torch.softmax(_tempered(logits[:-1], peak[:-1], command.params), dim=-1)
             generator = torch.Generator().manual_seed(_stream_seed(request.seed, _ALT_STREAM))
             drawn = (
                 torch.multinomial(probs, k, replacement=True, generator=generator)
@@ -594,22 +928,44 @@ def _stream_seed(seed: int, index: int) -> int:
     return (seed + index * 0x9E3779B97F4A7C15) % 2**63
 
 
+def _tempered(logits: torch.Tensor, peak: torch.Tensor, params: tp.SamplingParams) -> torch.Tensor:
+    """Logits at a temperature above 0, for a softmax: minus each row's largest (``peak``) first,
+    so none overflows however small the temperature. One below float32's smallest normal number
+    is raised to it: arithmetic on denormals may flush them to 0 (x / 0), and the result is the
+    same, the greedy limit (ties aside: the largest logits share the draw)."""
+    temperature = max(params.temperature, _SMALLEST_NORMAL)
+    return (logits - peak[:, None]) / temperature
+
+
 def _choose(
-    logits: torch.Tensor, params: tp.SamplingParams, generators: list[torch.Generator]
+    logits: torch.Tensor,
+    peak: torch.Tensor,
+    params: tp.SamplingParams,
+    generators: list[torch.Generator],
 ) -> torch.Tensor:
+    """The next token of each row of one request, from finite logits (``peak``: each row's
+    largest)."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
-    scaled = logits / params.temperature
+    scaled = _tempered(logits, peak, params)
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
     if params.top_p < 1.0:
         ordered, order = torch.sort(scaled, descending=True, dim=-1)
         probs = torch.softmax(ordered, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        # Keep the smallest prefix whose mass reaches top_p, and the most likely token always.
         drop = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop[:, 0] = False
         ordered = ordered.masked_fill(drop, -math.inf)
         scaled = torch.full_like(scaled, -math.inf).scatter(-1, order, ordered)
     probs = torch.softmax(scaled, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise Unprocessable(
+            f"the sampling probabilities at temperature {params.temperature!r} (top_k "
+            f"{params.top_k}, top_p {params.top_p!r}) are not finite, so nothing can be sampled: "
+            "the likely cause is the temperature, which must be a finite number above 0 (or 0 "
+            "for the most likely token)"
+        )
     picks = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
     return torch.cat(picks)

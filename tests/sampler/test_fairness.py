@@ -1,0 +1,124 @@
+"""Fair sharing of the torch engine's batch, on tinsmith/tiny: a request holds at most
+``rows_per_request`` rows at a time and gets the rest in slices, with exactly the result it gets
+when admitted at once; a short request that arrives while a long one decodes joins at the next
+step instead of waiting for it.
+
+Bit for bit where every forward has at least 8 rows, sliced or not: below that, CPU matrix
+kernels take another path and the last bit of a logprob may change (tests/sampler/
+test_isolation.py), though not, here, a sampled token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from services.sampler.engine import run_all
+from services.sampler.torch_engine import TorchEngine
+from tests.sampler.test_engine import BASE, _assert_same, _command, _decode, _prompt
+from tests.sampler.test_isolation import save_nan_adapter
+from tinsmith import models
+from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.failures import Unprocessable
+
+
+def _long() -> bus.Sample:
+    """Many samples with every prompt score: computed once, whatever the slices."""
+    command = _command(_prompt(91, 12), "", n=24, max_tokens=6, seed=11, stop_tokens=[])
+    command.prompt_logprobs = True
+    command.topk_prompt_logprobs = 2
+    command.topk_sample_logprobs = 3
+    command.prompt_alt_tokens_k = 2
+    return command
+
+
+def _steps(
+    engine: TorchEngine, ticket: int, on_step: Callable[[], None] = lambda: None
+) -> tuple[int, bytes]:
+    """Step until ``ticket`` finishes: how many steps it took, and its result."""
+    steps = 0
+    while True:
+        steps += 1
+        outcomes = dict(engine.step())
+        on_step()
+        if ticket in outcomes:
+            outcome = outcomes[ticket]
+            assert isinstance(outcome, bytes), outcome
+            return steps, outcome
+
+
+def test_a_request_admitted_in_slices_gets_what_it_gets_at_once() -> None:
+    at_once = TorchEngine(models.default_cache_dir(), rows_per_request=64)
+    sliced = TorchEngine(models.default_cache_dir(), rows_per_request=8)
+    whole = run_all(at_once, [_long()])[0]
+    sliced.add(0, _long())
+    held = []
+    steps, in_slices = _steps(sliced, 0, lambda: held.append(sliced.batch_rows(BASE).get(0, 0)))
+    assert max(held) == 8  # never more rows than its share
+    assert steps == 3 * 6  # three slices of 8 sequences, one after the other
+    assert in_slices == whole  # bit for bit: tokens, logprobs, top-k, prompt scores
+    response = _decode(in_slices)
+    assert len(response.sequences) == 24 and response.prompt_alt_tokens.tokens.shape == [11, 2]
+    # Sequence i is sequence i: the slices did not renumber the generators.
+    single = _command(_prompt(91, 12), "", n=1, max_tokens=6, seed=11, stop_tokens=[])
+    assert _decode(run_all(sliced, [single])[0]).sequences[0].tokens == response.sequences[0].tokens
+
+
+def test_slices_with_stops_and_others_joining_keep_each_requests_tokens() -> None:
+    """Rows stop at different steps here, so slices join a batch that has moved on (left-padded
+    to it): tokens stay exact, logprobs within float32 rounding."""
+    commands = [
+        _command(_prompt(92, 9), "", n=7, max_tokens=10, seed=12, temperature=1.5),
+        _command(_prompt(93, 4), "", n=5, max_tokens=8, seed=13, stop_strs=["e"]),
+        _command(_prompt(94, 15), "", n=2, max_tokens=12, seed=14, top_p=0.9),
+    ]
+    whole = run_all(TorchEngine(models.default_cache_dir()), commands)
+    sliced = run_all(TorchEngine(models.default_cache_dir(), rows_per_request=2), commands)
+    for got, want in zip(sliced, whole, strict=True):
+        _assert_same(_decode(got), _decode(want))  # tokens and stops exact, logprobs to 1e-5
+    assert any(s.stop_reason == tp.STOP_REASON_STOP for s in _decode(whole[1]).sequences)
+
+
+def test_a_short_request_joins_while_a_long_one_decodes() -> None:
+    long = _command(_prompt(95, 10), "", n=64, max_tokens=12, seed=15, stop_tokens=[])
+    short = _command(_prompt(96, 6), "", n=8, max_tokens=3, seed=16, stop_tokens=[])
+    taken = {}
+    for cap in (16, 32):  # a share of half the batch, then the whole batch (no share)
+        engine = TorchEngine(models.default_cache_dir(), max_rows=32, rows_per_request=cap)
+        engine.add(0, long)
+        for _ in range(3):
+            assert not engine.step()
+        engine.add(1, short)
+        short_steps, short_result = _steps(engine, 1)
+        long_steps, long_result = _steps(engine, 0)
+        taken[cap] = (short_steps, 3 + short_steps + long_steps)
+        # Each gets what it gets alone (up to the last bit: rows that join a batch that has
+        # moved on are left-padded to it).
+        _assert_same(_decode(short_result), _decode(run_all(engine, [short])[0]))
+        _assert_same(_decode(long_result), _decode(run_all(engine, [long])[0]))
+    # With a share, the short request is done three steps after it came (one per token), and
+    # the long one decodes in four slices of 16 rows, twelve steps each. Without, the short one
+    # waits for the long one's first 32 rows to finish (it then goes before its next slice).
+    assert taken[16] == (3, 4 * 12)
+    assert taken[32] == (12 - 3 + 3, 12 + 3 + 12)
+
+
+def test_a_request_that_fails_or_is_cancelled_gives_up_its_waiting_slices(
+    tmp_path: Path,
+) -> None:
+    engine = TorchEngine(models.default_cache_dir(), rows_per_request=2)
+    save_nan_adapter(tmp_path)
+    engine.load_adapter(BASE, "adapter/nan", tmp_path)
+    for ticket, adapter in enumerate(["", "", "adapter/nan"]):
+        engine.add(ticket, _command(_prompt(97, 5), adapter, n=8, max_tokens=5, seed=ticket))
+    first = dict(engine.step())  # the NaN adapter's request fails at its first sampling
+    assert isinstance(first.pop(2), Unprocessable) and not first
+    assert engine.batch_rows(BASE) == {0: 2, 1: 2}
+    engine.cancel(0)
+    seen, outcomes = set(), {}
+    while engine.has_work():
+        outcomes.update(engine.step())
+        seen |= set(engine.batch_rows(BASE))
+    # Neither got rows again: their waiting sequences left the line with them.
+    assert seen == {1} and set(outcomes) == {1}
+    assert len(_decode(outcomes[1]).sequences) == 8
