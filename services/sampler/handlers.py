@@ -8,6 +8,14 @@ its outcome is durable, so one bad request fails alone and a replica that dies l
 it held is delivered to another once its ack deadline passes (a replica that stops cleanly hands
 its requests back at once).
 
+Failures stay with their request. The engines fail a request alone (engine.py); an adapter
+fetched from the object store is checked for NaN and infinite weights before any engine sees it
+(``nonfinite_tensors``), and one that has them fails its request (``Unprocessable``) without being
+loaded. A step that raises fails the requests in the engine, as a last resort. Redelivery is
+bounded (tinsmith/workqueue.py): a request on its last delivery, which every earlier taker let go
+of without an outcome (it crashed, stalled or stopped), is recorded as failed
+(``workqueue.exhausted``) and acked, not run once more.
+
 Cancellation: every replica follows the log's RequestCancelled events (subjects.SAMPLES_CANCELLED,
 an ordered consumer of its own, replayed from the start, so a replica started later knows the
 earlier ones too). A replica that holds the request drops it from the engine and acks it without
@@ -18,8 +26,9 @@ its outcome is ignored (the first outcome recorded wins).
 Streaming: a request whose command names a gateway (``stream_to``) has each step's new tokens
 published to that gateway on core NATS, fire-and-forget; the others cost nothing extra.
 
-Owns: taking work, fetching adapters, driving the engine's steps, acking, dropping cancelled
-work, publishing streamed tokens. Does not own: the sampling itself (the engines).
+Owns: taking work, fetching adapters (and checking their weights are finite), driving the
+engine's steps, acking, failing work on its last delivery, dropping cancelled work, publishing
+streamed tokens. Does not own: the sampling itself (the engines).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import tempfile
 import time
@@ -46,9 +56,9 @@ from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import PROTOBUF, EventLog
-from tinsmith.failures import Cancelled, NotFound
+from tinsmith.failures import Cancelled, NotFound, Unprocessable
 from tinsmith.tensors import tokens_from_bytes
-from tinsmith.workqueue import Delivery
+from tinsmith.workqueue import Delivery, exhausted
 
 from .config import SamplerConfig
 from .engine import AdapterMissing, Delta, Engine
@@ -57,6 +67,10 @@ log = logging.getLogger(__name__)
 
 # How many cancelled request ids a replica remembers, to skip such requests when it fetches them.
 _CANCELLED_REMEMBERED = 65536
+# The safetensors dtypes numpy reads, for the check of an adapter's weights.
+_NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
+# bfloat16 has no numpy type: its NaNs and infinities are the values with every exponent bit set.
+_BF16_EXPONENT = 0x7F80
 
 
 @dataclass
@@ -153,22 +167,40 @@ class Sampler:
     async def _on_deliveries(self, deliveries: list[Delivery]) -> None:
         for delivery in deliveries:
             event = events.decode(delivery.data)
-            if events.kind_of(event) != "request_accepted" or self._stopping:
-                if self._stopping:
-                    await delivery.nak()
-                else:
-                    await delivery.ack()
+            if events.kind_of(event) != "request_accepted":
+                await (delivery.nak() if self._stopping else delivery.ack())
                 continue
             accepted = event.request_accepted
             if accepted.request_id in self._cancelled:
                 log.info("skipped request %s: it was cancelled", accepted.request_id)
                 await delivery.ack()
                 continue
+            if delivery.last:  # stopping or not: handed back, it would never come again
+                await self._give_up(delivery, accepted)
+                continue
+            if self._stopping:
+                await delivery.nak()
+                continue
             ticket = next(self._tickets)
             stream_to = accepted.sample.stream_to
             stream = subjects.sample_stream_subject(stream_to) if stream_to else ""
             self._held[ticket] = _Held(delivery, accepted, stream=stream)
             self.bus.spawn(self._serve(ticket))
+
+    async def _give_up(self, delivery: Delivery, accepted: bus.RequestAccepted) -> None:
+        """Record a request on its last delivery as failed, without running it: every earlier
+        taker let go of it without an outcome, and it may be what brought them down."""
+        error = exhausted(delivery, accepted.request_id)
+        with telemetry.request_scope(accepted.request_id):
+            log.error("failed request %s without running it: %s", accepted.request_id, error)
+            await self.log.fail(
+                accepted.request_id,
+                accepted.aggregate_id,
+                error.kind,
+                error.detail,
+                request_aggregate="sampler",
+            )
+        await delivery.ack()
 
     async def _on_cancelled(self, seq: int, data: bytes) -> None:
         """A sample request was cancelled: remember it, and drop it if this replica holds it."""
@@ -210,6 +242,8 @@ class Sampler:
             await self._admit(ticket, held)
             outcome = await held.outcome
             self._trace_sampling(held, outcome)
+            if isinstance(outcome, Unprocessable):  # its numbers went wrong: say whose they were
+                raise Unprocessable(f"request {accepted.request_id}: {outcome.detail}") from outcome
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome, PROTOBUF
@@ -246,6 +280,15 @@ class Sampler:
                     raise NotFound(
                         f"the adapter weights at {command.adapter_key!r} are gone: {exc}"
                     ) from exc
+                broken = await asyncio.to_thread(nonfinite_tensors, Path(tmp))
+                if broken:
+                    raise Unprocessable(
+                        f"request {held.accepted.request_id}: the adapter weights at "
+                        f"{command.adapter_key!r} hold NaN or infinite values ({len(broken)} "
+                        f"tensors, {broken[0]} first), so nothing can be sampled from them: the "
+                        "training run diverged, most likely (a learning rate too high?). Sample "
+                        "from an earlier checkpoint. The adapter was not loaded"
+                    ) from None
                 held.admitted_ns = await self.compute.traced(
                     "load_adapter",
                     _attributes(held.accepted),
@@ -317,9 +360,15 @@ class Sampler:
             while busy:
                 try:
                     step = await self.compute.run(self._step)
-                except Exception as exc:  # a bug in the engine: fail what it holds, keep serving
+                except Exception as exc:
+                    # The engines fail a request alone; a step that raises is a bug in one. The
+                    # last resort: fail what it holds, tell it to let go of them, keep serving.
                     log.exception("a sampling step failed")
-                    failed: list[tuple[int, bytes | Exception]] = [(t, exc) for t in self._held]
+                    admitted = [t for t, h in self._held.items() if h.admitted_ns]
+                    for ticket in admitted:
+                        with contextlib.suppress(Exception):
+                            await self.compute.run(self.engine.cancel, ticket)
+                    failed: list[tuple[int, bytes | Exception]] = [(t, exc) for t in admitted]
                     step = _Step(failed, False, time.time_ns(), time.time_ns(), 0.0)
                 self._account(step)
                 if step.progress:
@@ -378,6 +427,39 @@ class Sampler:
                     await held.delivery.in_progress()
                 except Exception:
                     log.warning("could not extend the ack deadline of %d", held.delivery.stream_seq)
+
+
+def nonfinite_tensors(directory: Path) -> list[str]:
+    """The tensors of the safetensors files in ``directory`` (an adapter) that hold NaN or
+    infinite values. Engine-agnostic, with numpy: the format is read here (an 8-byte header
+    length, a JSON header, the data), since numpy has no bfloat16. A file that is not valid
+    safetensors is left for the engine's loader to refuse."""
+    broken = []
+    for path in sorted(directory.glob("*.safetensors")):
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        try:
+            size = int(data[:8].view("<u8")[0])
+            header = json.loads(bytes(data[8 : 8 + size]))
+            tensors = {
+                name: (info["dtype"], *info["data_offsets"])
+                for name, info in header.items()
+                if name != "__metadata__"
+            }
+        except (ValueError, KeyError, TypeError, IndexError):
+            log.warning("%s is not valid safetensors; its values were not checked", path.name)
+            continue
+        for name, (dtype, begin, end) in tensors.items():
+            values = data[8 + size + begin : 8 + size + end]
+            if dtype in _NUMPY_FLOATS:
+                finite = bool(np.isfinite(values.view(_NUMPY_FLOATS[dtype])).all())
+            elif dtype == "BF16":
+                exponent = values.view("<u2") & _BF16_EXPONENT
+                finite = not bool((exponent == _BF16_EXPONENT).any())
+            else:
+                continue
+            if not finite:
+                broken.append(name)
+    return broken
 
 
 def _attributes(accepted: bus.RequestAccepted) -> dict[str, str | int]:
