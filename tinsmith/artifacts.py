@@ -72,8 +72,8 @@ def check_name(name: str) -> str:
     """A checkpoint name: no '/', not '.' or '..', at most 128 characters."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         raise InvalidRequest(
-            f"checkpoint name {name!r} is not accepted: use 1-128 characters from A-Z, a-z, 0-9, "
-            "'_', '-' and '.', and not '.' or '..'"
+            f"checkpoint name {name!r:.150} is not accepted: use 1-128 characters from A-Z, a-z, "
+            "0-9, '_', '-' and '.', and not '.' or '..'"
         )
     return name
 
@@ -81,11 +81,11 @@ def check_name(name: str) -> str:
 def parse(path: str) -> TinkerPath:
     """Parse ``tinker://<run>/<weights|sampler_weights|external_weights>/<name>``."""
     if not isinstance(path, str) or not path.startswith(SCHEME):
-        raise InvalidRequest(f"{path!r} is not a tinker:// path")
+        raise InvalidRequest(f"{path!r:.300} is not a tinker:// path")
     parts = path[len(SCHEME) :].split("/")
     if len(parts) != 3 or parts[1] not in KINDS:
         raise InvalidRequest(
-            f"{path!r} is not a checkpoint path: expected tinker://<run id>/weights/<name>, "
+            f"{path!r:.300} is not a checkpoint path: expected tinker://<run id>/weights/<name>, "
             "tinker://<run id>/sampler_weights/<name> or tinker://<run id>/external_weights/<name>"
         )
     return checkpoint(parts[0], f"{parts[1]}/{parts[2]}")
@@ -96,7 +96,7 @@ def checkpoint(run_id: str, checkpoint_id: str) -> TinkerPath:
     segment, _, name = checkpoint_id.partition("/")
     if segment not in KINDS:
         raise InvalidRequest(
-            f"checkpoint id {checkpoint_id!r} is not accepted: expected weights/<name>, "
+            f"checkpoint id {checkpoint_id!r:.200} is not accepted: expected weights/<name>, "
             "sampler_weights/<name> or external_weights/<name>"
         )
     model_id = subjects.check_id("run id", run_id)

@@ -81,6 +81,16 @@ class Overloaded(TinsmithError):
     category = Category.SERVER
 
 
+class TooLarge(TinsmithError):
+    """The request is larger than one request may be (HTTP 413): it must be split, not sent
+    again as it is."""
+
+    kind = "too_large"
+    http_status = 413
+    grpc_code = "RESOURCE_EXHAUSTED"
+    category = Category.USER
+
+
 class Cancelled(TinsmithError):
     """The request was cancelled before it finished (its gRPC call was cancelled, or its deadline
     passed): it will never have a result. A repeat of it gets this again (HTTP 410, which the SDK
@@ -104,6 +114,7 @@ _KINDS: dict[str, type[TinsmithError]] = {
         Unprocessable,
         Unavailable,
         Overloaded,
+        TooLarge,
         Cancelled,
         InternalError,
     )

@@ -35,6 +35,9 @@ INT64_MAX = 2**63 - 1
 UINT64_MAX = 2**64 - 1
 # Entries of a tags list or a user_metadata map.
 MAX_METADATA_ENTRIES = 256
+# A checkpoint's time to live, in seconds, at most (and at least, when set after the save).
+TTL_MAX_S = 10 * 365 * 24 * 3600
+TTL_MIN_S = 3600
 
 _FLOAT = 4  # bytes; the engines compute in float32 on the CPU
 _MIB = 2**20

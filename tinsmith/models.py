@@ -124,7 +124,7 @@ def get(name: str) -> ModelSpec:
         path = pathlib.Path(name).expanduser()
         if not (path / "config.json").is_file():
             raise unknown
-    except OSError as exc:  # a name the file system cannot even look up (too long a part)
+    except (OSError, RuntimeError) as exc:  # too long a part, or ~user of no known home
         raise unknown from exc
     try:
         return _local_spec(name, path)

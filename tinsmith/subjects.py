@@ -69,8 +69,8 @@ def check_id(what: str, value: str) -> str:
     """Return ``value`` when it is safe as a subject token, else raise InvalidRequest."""
     if not isinstance(value, str) or not _ID.fullmatch(value):
         raise InvalidRequest(
-            f"{what} {value!r} is not a valid id: use 1-200 characters from A-Z, a-z, 0-9, '_', "
-            "'-' and ':'"
+            f"{what} {value!r:.220} is not a valid id: use 1-200 characters from A-Z, a-z, 0-9, "
+            "'_', '-' and ':'"
         )
     return value
 

@@ -27,6 +27,7 @@ from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
 from tinsmith.eventlog import EventLog
 from tinsmith.failures import InvalidRequest, NotFound, TinsmithError
+from tinsmith.limits import TTL_MAX_S, TTL_MIN_S
 
 from .projection import SqlProjection
 from .storage import Storage
@@ -34,8 +35,6 @@ from .storage import Storage
 log = logging.getLogger(__name__)
 
 JsonDict = dict[str, Any]
-TTL_MIN_S = 3600
-TTL_MAX_S = 10 * 365 * 24 * 3600
 _GIGABYTE = 1024**3
 
 
@@ -282,12 +281,13 @@ class Catalog:
     async def _run(
         self, session: AsyncSession, query: bus.CatalogQuery, model_id: str
     ) -> catalog.RunRow:
+        accessible = _accessible(query)  # a scope that is not one is refused either way
         run = await session.get(catalog.RunRow, model_id)
         if run is not None and run.owner in (query.owner, ""):
             return run
         if (
             run is not None
-            and _accessible(query)
+            and accessible
             and await catalog.has_public_checkpoint(session, model_id)
         ):
             return run

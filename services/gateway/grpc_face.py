@@ -38,7 +38,7 @@ from tinsmith import events, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import InternalError, TinsmithError
+from tinsmith.failures import InternalError, TinsmithError, TooLarge
 
 from .config import GatewayConfig
 from .handlers import Gateway, JsonDict
@@ -50,6 +50,12 @@ PACKAGE = "tinsmith.v1"
 SERVICES = ("Training", "Sampling", "Catalog")
 Method = Callable[[Any, Any], Awaitable[Message | None]]
 
+# The longest error detail sent back: it travels in trailing metadata, which gRPC caps (16 KiB);
+# a detail that quotes a long input must not turn an INVALID_ARGUMENT into RESOURCE_EXHAUSTED.
+_MAX_DETAIL = 2000
+# gRPC reads messages up to this size, so that a request over the bus's limit is refused by the
+# gateway, which spends its seq_id; beyond it, gRPC refuses it by itself.
+_RECEIVE_LIMIT = 64 * 1024 * 1024
 # Why a sample request was cancelled, as its future's failure says.
 _DEADLINE = "its gRPC call's deadline passed before it finished"
 _CLIENT = "its gRPC client cancelled the call"
@@ -61,6 +67,21 @@ class _Undecodable:
 
     def __init__(self, message: str, error: Exception) -> None:
         self.detail = f"the request is not a valid {message} message: {str(error)[:200]}"
+
+
+class _Oversized:
+    """What the deserializer hands a method whose request is larger than one request may be
+    (it becomes one message on the bus): the method answers RESOURCE_EXHAUSTED, and a run's
+    request spends its seq_id, as any refusal does. gRPC itself refuses messages beyond
+    ``_RECEIVE_LIMIT`` before any of this, without spending anything."""
+
+    def __init__(self, request: Message, size: int, limit: int) -> None:
+        self.error = TooLarge(
+            f"the request is {size} bytes; one request may be at most {limit} bytes (it travels "
+            "as one message on the bus): send less in one call"
+        )
+        model_id, seq_id = getattr(request, "model_id", ""), getattr(request, "seq_id", 0)
+        self.run = (model_id, seq_id) if isinstance(model_id, str) and model_id else None
 
 
 class _DeadlinePassed(Exception):
@@ -382,7 +403,7 @@ def _sampling_params(params: tp.SamplingParams) -> JsonDict:
     return body
 
 
-def _method(fn: Method, name: str) -> Method:
+def _method(fn: Method, name: str, gateway: Gateway) -> Method:
     """One RPC (``name``: ``/package.Service/Method``) as a server span under the trace context
     the client sent in its metadata, with the error tree mapped to status codes, as http.py maps
     it to statuses. A server-streaming RPC writes its messages itself (``context.write``) and
@@ -395,6 +416,14 @@ def _method(fn: Method, name: str) -> Method:
             try:
                 if isinstance(request, _Undecodable):
                     response, code, detail = None, grpc.StatusCode.INVALID_ARGUMENT, request.detail
+                elif isinstance(request, _Oversized):
+                    if request.run is not None:
+                        await gateway.spend_refused(request.error, *request.run)
+                    response, code, detail = (
+                        None,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        request.error.detail,
+                    )
                 else:
                     response, code, detail = await _answer(fn, request, context)
             except asyncio.CancelledError:  # the call ended under it: the client went away
@@ -402,6 +431,7 @@ def _method(fn: Method, name: str) -> Method:
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
                 _status(traced, code, "the call ended before its answer")
                 raise
+            detail = detail if len(detail) <= _MAX_DETAIL else detail[:_MAX_DETAIL] + "..."
             _status(traced, code, detail)
             if code is not grpc.StatusCode.OK:
                 await context.abort(code, detail)
@@ -443,7 +473,7 @@ async def _answer(
         return None, grpc.StatusCode.INTERNAL, "internal error; see the gateway log"
 
 
-def _handlers(face: GrpcFace, service: str) -> Any:
+def _handlers(face: GrpcFace, service: str, limit: int) -> Any:
     descriptor = svc.DESCRIPTOR.services_by_name[service]
     handlers = {}
     for method in descriptor.methods:
@@ -454,19 +484,24 @@ def _handlers(face: GrpcFace, service: str) -> Any:
             else grpc.unary_unary_rpc_method_handler
         )
         handlers[method.name] = kind(
-            _method(getattr(face, method.name), f"/{descriptor.full_name}/{method.name}"),
-            request_deserializer=_deserializer(request_class),
+            _method(
+                getattr(face, method.name), f"/{descriptor.full_name}/{method.name}", face.gateway
+            ),
+            request_deserializer=_deserializer(request_class, limit),
             response_serializer=_serialize,
         )
     return grpc.method_handlers_generic_handler(descriptor.full_name, handlers)
 
 
-def _deserializer(message: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
-    def parse(data: bytes) -> Message | _Undecodable:
+def _deserializer(
+    message: type[Message], limit: int
+) -> Callable[[bytes], Message | _Undecodable | _Oversized]:
+    def parse(data: bytes) -> Message | _Undecodable | _Oversized:
         try:
-            return message.FromString(data)
+            request = message.FromString(data)
         except Exception as exc:  # DecodeError, and RecursionError for deep nesting
             return _Undecodable(message.DESCRIPTOR.full_name, exc)
+        return _Oversized(request, len(data), limit) if len(data) > limit else request
 
     return parse
 
@@ -482,12 +517,12 @@ async def serve(
     limit = config.grpc_max_message_bytes
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_receive_message_length", _RECEIVE_LIMIT),
             ("grpc.max_send_message_length", limit),
         ]
     )
     face = GrpcFace(gateway, rest)
-    server.add_generic_rpc_handlers([_handlers(face, name) for name in SERVICES])
+    server.add_generic_rpc_handlers([_handlers(face, name, limit) for name in SERVICES])
     checks = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     names = [f"{PACKAGE}.{name}" for name in SERVICES]

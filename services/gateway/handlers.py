@@ -32,10 +32,11 @@ from tinsmith.failures import (
     NotFound,
     Overloaded,
     TinsmithError,
+    TooLarge,
     from_kind,
     future_failure,
 )
-from tinsmith.limits import INT32_MAX, MAX_NUM_SAMPLES, MAX_TOPK_LOGPROBS, mib
+from tinsmith.limits import INT32_MAX, MAX_NUM_SAMPLES, MAX_TOPK_LOGPROBS, TTL_MAX_S, mib
 from tinsmith.tensors import decode_tensor, model_input_tokens
 
 from . import wire
@@ -110,7 +111,7 @@ class Gateway:
             owner=owner,
             tags=wire.str_list(body, "tags"),
             user_metadata=wire.str_map(body, "user_metadata"),
-            project_id=wire.opt_str(body, "project_id") or "",
+            project_id=wire.text(body, "project_id"),
             display_name=wire.opt_str(body, "display_name") or "",
             sdk_version=wire.opt_str(body, "sdk_version") or "",
         )
@@ -132,12 +133,15 @@ class Gateway:
 
     async def finish_session(self, session_id: str, body: JsonDict) -> JsonDict:
         session = self._session(session_id)
-        reason = body.get("reason")
+        reason = body.get("reason") or {}
+        if not isinstance(reason, dict) or not isinstance(reason.get("type", ""), str):
+            raise InvalidRequest("field 'reason' must be an object like {'type': 'success'}")
         finished = bus.SessionFinished(
             session_id=session.session_id,
-            reason=str(reason.get("type", "")) if isinstance(reason, dict) else "",
+            reason=reason.get("type", ""),
             detail=wire.opt_str(body, "detail") or "",
         )
+        wire.check_metadata(self.config.limits.max_metadata_bytes, finished.reason, finished.detail)
         await self._append(events.make(session_finished=finished), aggregate="session")
         return {}
 
@@ -342,7 +346,7 @@ class Gateway:
         command = bus.SaveWeights(kind=kind, user_metadata=self._user_metadata(body))
         ttl = body.get("ttl_seconds")
         if ttl is not None:
-            command.ttl_seconds = wire.req_int(body, "ttl_seconds", minimum=1)
+            command.ttl_seconds = wire.req_int(body, "ttl_seconds", minimum=1, maximum=TTL_MAX_S)
         if name:
             command.name = artifacts.check_name(name)
             path = artifacts.TinkerPath(run.model_id, command.kind, command.name)
@@ -593,7 +597,7 @@ class Gateway:
             # It may have been accepted by another replica a moment ago.
             await self.projection.catch_up()
             if request_id not in self.state.requests:
-                raise NotFound(f"no future with request_id {request_id!r}")
+                raise NotFound(f"no future with request_id {request_id!r:.200}")
 
         def settled() -> bool:
             return self.state.requests[request_id].status is not jobs.Status.PENDING
@@ -601,6 +605,26 @@ class Gateway:
         if not settled():
             await self.projection.wait_until(settled, timeout_s)
         return self.state.requests[request_id]
+
+    async def refuse_oversized(self, error: TooLarge, prefix: bytes, *, protobuf: bool) -> None:
+        """A run's request whose body was too large to read: spend its seq_id with ``error``
+        when its first bytes name a known run and a seq_id not yet spent, so that the run's
+        later requests do not wait for it. (A body whose first bytes do not name them is
+        refused without spending anything: the client sees the 413 either way.)"""
+        found = wire.protobuf_ids(prefix) if protobuf else wire.json_ids(prefix)
+        if found is not None:
+            await self.spend_refused(error, *found)
+
+    async def spend_refused(self, error: TinsmithError, model_id: str, seq_id: int) -> None:
+        """Spend ``seq_id`` of run ``model_id`` with ``error``, for a request refused before it
+        could be read (too large): a run that does not exist, a seq_id spent already or one
+        too far ahead is left alone."""
+        run = self.state.runs.get(model_id)
+        if run is None or seq_id < 1 or seq_id >= run.next_seq_id + self.config.limits.seq_window:
+            return
+        with contextlib.suppress(TinsmithError):
+            if self._existing(model_id, seq_id) is None:
+                await self._reject(model_id, seq_id, error)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -612,19 +636,21 @@ class Gateway:
     def _session(self, session_id: str) -> jobs.SessionState:
         session = self.state.sessions.get(session_id)
         if session is None:
-            raise NotFound(f"no session {session_id!r}; create one with create_session")
+            raise NotFound(f"no session {session_id!r:.200}; create one with create_session")
         return session
 
     def _run(self, model_id: str) -> jobs.RunState:
         run = self.state.runs.get(model_id)
         if run is None:
-            raise NotFound(f"no training run with model_id {model_id!r}")
+            raise NotFound(f"no training run with model_id {model_id!r:.200}")
         return run
 
     def _sampler(self, sampler_id: str) -> jobs.SamplerState:
         sampler = self.state.samplers.get(sampler_id)
         if sampler is None:
-            raise NotFound(f"no sampler {sampler_id!r}; create one with create_sampling_session")
+            raise NotFound(
+                f"no sampler {sampler_id!r:.200}; create one with create_sampling_session"
+            )
         return sampler
 
     async def _accept_new_run(self, model_id: str, command: bus.CreateModel) -> JsonDict:

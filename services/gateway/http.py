@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 from tinsmith import telemetry
@@ -23,7 +25,7 @@ from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 
 from .handlers import Gateway
-from .rest import Rest, owner_of, read_json
+from .rest import BodyTooLarge, Rest, owner_of, read_body, read_json
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +55,10 @@ async def traced(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except web.HTTPRequestEntityTooLarge:
-        detail = (
-            f"{request.method} {request.path}: the body is larger than the {MAX_BODY_BYTES} bytes "
-            "a request may carry (each request travels as one message on the bus): send less "
-            "in one call (the SDK cuts forward_backward batches into chunks by itself)"
-        )
-        return web.json_response({"detail": detail}, status=413)
+    except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. a bad content encoding
+        reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+        detail = f"{request.method} {request.path}: the body could not be read: {reason}"
+        return web.json_response({"detail": detail[:500]}, status=400)
     except web.HTTPException as exc:
         if exc.status >= 400:
             return web.json_response(
@@ -80,9 +79,20 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app = web.Application(middlewares=[traced, errors], client_max_size=MAX_BODY_BYTES)
 
-    def post(path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any]) -> None:
+    def post(
+        path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any], *, run_op: bool = False
+    ) -> None:
+        """A JSON route; ``run_op``: one of a run's requests, whose refusal for size spends its
+        seq_id (``Gateway.refuse_oversized``)."""
+
         async def route(request: web.Request) -> web.StreamResponse:
-            result = fn(await read_json(request))
+            try:
+                body = await read_json(request)
+            except BodyTooLarge as error:
+                if run_op:
+                    await gateway.refuse_oversized(error, error.prefix, protobuf=False)
+                raise
+            result = fn(body)
             if isinstance(result, Awaitable):
                 result = await result
             return web.json_response(result)
@@ -95,11 +105,19 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     post("/session_heartbeat", gateway.heartbeat)
     post("/create_model", gateway.create_model)
     post("/get_info", gateway.get_info)
-    post("/optim_step", gateway.optim_step)
-    post("/load_weights", gateway.load_weights)
-    post("/save_weights", lambda body: gateway.save_weights(body, for_sampler=False))
-    post("/save_weights_for_sampler", lambda body: gateway.save_weights(body, for_sampler=True))
-    post("/save_weights_external", lambda body: gateway.save_weights(body, external=True))
+    post("/optim_step", gateway.optim_step, run_op=True)
+    post("/load_weights", gateway.load_weights, run_op=True)
+    post("/save_weights", lambda body: gateway.save_weights(body, for_sampler=False), run_op=True)
+    post(
+        "/save_weights_for_sampler",
+        lambda body: gateway.save_weights(body, for_sampler=True),
+        run_op=True,
+    )
+    post(
+        "/save_weights_external",
+        lambda body: gateway.save_weights(body, external=True),
+        run_op=True,
+    )
     post("/create_sampling_session", gateway.create_sampling_session)
     post("/asample", gateway.asample)
 
@@ -114,7 +132,12 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     async def forward_backward(request: web.Request) -> web.StreamResponse:
         if request.headers.get("Content-Encoding", "").lower() not in ("", "identity"):
             raise InvalidRequest("compressed forward_backward bodies are not accepted")
-        return web.json_response(await gateway.forward_backward(await request.read()))
+        try:
+            body = await read_body(request)
+        except BodyTooLarge as error:
+            await gateway.refuse_oversized(error, error.prefix, protobuf=True)
+            raise
+        return web.json_response(await gateway.forward_backward(body))
 
     async def retrieve_future(request: web.Request) -> web.StreamResponse:
         result, media_type = await gateway.retrieve_future(await read_json(request))
@@ -152,6 +175,16 @@ class _Protocol(web.RequestHandler):
     """aiohttp's connection handler, answering what it cannot parse (a malformed request line
     or header, a bad chunked body) in JSON with a detail, and logging it as one line: aiohttp's
     own answer is plain text, and it logs the parser's message, which quotes the header bytes."""
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """aiohttp's own logging of a failure: a body it cannot read (met again when it drains
+        what the handler left) is the client's, one line without its bytes; anything else is
+        logged in full."""
+        error = kwargs.get("exc_info")
+        if isinstance(error, HttpProcessingError | RequestPayloadError):
+            log.warning("a request body could not be read: %s", type(error).__name__)
+            return
+        super().log_exception(*args, **kwargs)
 
     def handle_error(
         self,

@@ -14,17 +14,18 @@ import asyncio
 import hashlib
 import json
 import re
-from typing import Any, NoReturn
+from typing import Any
 
 from aiohttp import web
 
 from tinsmith import artifacts, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
-from tinsmith.bus import Bus
-from tinsmith.failures import InvalidRequest, NotFound, from_kind
+from tinsmith.bus import MAX_BODY_BYTES, Bus
+from tinsmith.failures import InvalidRequest, NotFound, TooLarge, from_kind
 from tinsmith.limits import INT32_MAX, INT64_MAX
 
+from . import wire
 from .config import GatewayConfig
 
 API = "/api/v1"
@@ -95,7 +96,7 @@ class Rest:
             limit=_int(request, "limit", 20),
             offset=_int(request, "offset", 0),
             access_scope=request.query.get("access_scope", "owned"),
-            project_id=request.query.get("project_id", ""),
+            project_id=wire.text(dict(request.query), "project_id"),
         )
 
     async def training_run(self, request: web.Request) -> web.Response:
@@ -195,7 +196,7 @@ class Rest:
 
     async def storage_usage(self, request: web.Request) -> web.Response:
         return await self._ask(
-            "storage_usage", request, project_id=request.query.get("project_id", "")
+            "storage_usage", request, project_id=wire.text(dict(request.query), "project_id")
         )
 
     # -- downloads -----------------------------------------------------------------------------
@@ -242,19 +243,48 @@ def _int(request: web.Request, name: str, default: int) -> int:
     return value
 
 
-def _no_constants(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not a number JSON allows")
+class BodyTooLarge(TooLarge):
+    """A body over ``MAX_BODY_BYTES``, with its first bytes: enough to find the run and seq_id
+    it was meant for, so that its refusal spends that seq_id like any other refusal."""
+
+    def __init__(self, request: web.Request, prefix: bytes) -> None:
+        super().__init__(
+            f"{request.method} {request.path}: the body is larger than the {MAX_BODY_BYTES} "
+            "bytes a request may carry (each request travels as one message on the bus): send "
+            "less in one call (the SDK cuts forward_backward batches into chunks by itself)"
+        )
+        self.prefix = prefix
+
+
+_PREFIX_BYTES = 64 * 1024
+
+
+async def read_body(request: web.Request) -> bytes:
+    """A request's body, or ``BodyTooLarge`` (413) once it passes ``MAX_BODY_BYTES``; the rest
+    of such a body is never read into memory."""
+    declared = request.content_length
+    if declared is not None and declared > MAX_BODY_BYTES:
+        prefix = await request.content.read(_PREFIX_BYTES)
+        raise BodyTooLarge(request, prefix)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(_PREFIX_BYTES):
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge(request, b"".join(chunks)[:_PREFIX_BYTES])
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     """A request's JSON object body ({} when empty), or a 400 that says what is wrong: not
-    JSON, not an object, nested too deep, or holding NaN or Infinity (Python's parser accepts
-    those; no number in the Tinker API may be one)."""
-    raw = await request.read()
+    JSON, not an object, or nested too deep. ``NaN`` and ``Infinity`` become ``wire.NonFinite``,
+    which every field that reads a number refuses by name."""
+    raw = await read_body(request)
     if not raw:
         return {}
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        body = json.loads(raw, parse_constant=wire.NonFinite)
     except ValueError as exc:
         raise InvalidRequest(f"the body is not valid JSON: {str(exc)[:200]}") from exc
     except RecursionError:

@@ -8,6 +8,7 @@ operation does with them (handlers.py).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,6 +34,28 @@ def req_str(body: dict[str, Any], name: str) -> str:
     value = body.get(name)
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"field {name!r} is required and must be a non-empty string")
+    return value
+
+
+class NonFinite:
+    """What the JSON reader makes of ``NaN``, ``Infinity`` and ``-Infinity`` (Python's parser
+    accepts them; no number in the Tinker API may be one): not a number, so whichever field
+    holds one refuses it, by name."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+    def __repr__(self) -> str:
+        return self.literal
+
+
+def text(body: dict[str, Any], name: str, maximum: int = 1024) -> str:
+    """An optional free-text field ("" when absent): printable, at most ``maximum`` characters."""
+    value = opt_str(body, name) or ""
+    if len(value) > maximum or not value.isprintable():
+        raise InvalidRequest(
+            f"field {name!r} must be at most {maximum} printable characters, got {value!r:.60}"
+        )
     return value
 
 
@@ -79,9 +102,14 @@ def number(
     wherever a number is read: JSON's ``NaN`` and ``Infinity`` never get this far, but gRPC's
     floats can hold them)."""
     value = body.get(name, default)
+    if isinstance(value, NonFinite):
+        raise InvalidRequest(f"field {name!r} must be a finite number, got {value.literal}")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"field {name!r} is required and must be a number")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        number = math.inf
     if not math.isfinite(number):
         raise InvalidRequest(f"field {name!r} must be a finite number, got {number}")
     if not minimum <= number <= maximum:
@@ -289,3 +317,62 @@ def target_prompt_logprobs(value: Any, prompt_length: int, vocab_size: int) -> t
             f"{what} names {distinct} distinct token ids; at most {MAX_TOPK_LOGPROBS} are accepted"
         )
     return tensor
+
+
+# A run's JSON request names its run and seq_id near the start, as the SDK writes it.
+_JSON_MODEL_ID = re.compile(rb'"model_id"\s*:\s*"([A-Za-z0-9_:\-]{1,200})"')
+_JSON_SEQ_ID = re.compile(rb'"seq_id"\s*:\s*([0-9]{1,10})\b')
+
+
+def json_ids(prefix: bytes) -> tuple[str, int] | None:
+    """The run and seq_id the first bytes of a JSON request name, if they name both."""
+    model_id, seq_id = _JSON_MODEL_ID.search(prefix), _JSON_SEQ_ID.search(prefix)
+    if model_id is None or seq_id is None:
+        return None
+    return model_id.group(1).decode(), int(seq_id.group(1))
+
+
+def protobuf_ids(prefix: bytes) -> tuple[str, int] | None:
+    """The run (field 1) and seq_id (field 2) at the start of a serialized
+    ``ForwardBackwardRequest``: protobuf writes fields in the order of their numbers, so they
+    come first, and the first bytes are enough (the whole message may be too large to read)."""
+    found: dict[int, str | int] = {}
+    pos = 0
+    try:
+        while pos < len(prefix) and len(found) < 2:
+            key, pos = _varint(prefix, pos)
+            field, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                value, pos = _varint(prefix, pos)
+                if field == 2:
+                    found[2] = value
+            elif wire_type == 2:
+                length, pos = _varint(prefix, pos)
+                if field == 1 and pos + length > len(prefix):
+                    return None  # cut off within the run's id
+                if field == 1:
+                    found[1] = prefix[pos : pos + length].decode()
+                pos += length
+            else:
+                return None
+            if field > 2:
+                break
+    except (IndexError, UnicodeDecodeError):
+        return None
+    model_id, seq_id = found.get(1), found.get(2)
+    if not isinstance(model_id, str) or not isinstance(seq_id, int):
+        return None
+    return model_id, seq_id
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
