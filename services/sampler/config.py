@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tinsmith import models
+from tinsmith import models, runtime
 
 from .engine import DEFAULT_ROWS_PER_REQUEST, default_engine_kind
-
-# Trainer and sampler compute at the same time in RL loops: by default each takes half the cores.
-# Oversubscribed torch threads spin-wait on each other (measured: a step 10x slower).
-_HALF_THE_CORES = max(1, (os.cpu_count() or 2) // 2)
 
 
 @dataclass(frozen=True)
@@ -21,7 +17,8 @@ class SamplerConfig:
     cache_dir: Path
     # "torch" or "vllm"; by default vLLM where it is installed and a GPU is present.
     engine: str = "torch"
-    torch_threads: int = _HALF_THE_CORES
+    # Half the CPUs this process may use (runtime.torch_threads): the trainer computes too.
+    torch_threads: int = field(default_factory=runtime.torch_threads)
     # How many accepted sample requests one replica holds at a time (queued or decoding). It
     # takes more from the shared queue as they finish, so replicas split the load.
     batch: int = 64
@@ -40,7 +37,7 @@ class SamplerConfig:
             blob_url=env("TINSMITH_BLOB_URL", f"file://{Path.cwd() / 'blobs'}"),
             cache_dir=Path(env("TINSMITH_CACHE_DIR", str(models.default_cache_dir()))),
             engine=default_engine_kind(),
-            torch_threads=int(env("TINSMITH_TORCH_THREADS", _HALF_THE_CORES)),
+            torch_threads=runtime.torch_threads(),
             batch=int(env("TINSMITH_SAMPLER_BATCH", cls.batch)),
             adapter_cache_mb=int(env("TINSMITH_ADAPTER_CACHE_MB", cls.adapter_cache_mb)),
             ack_wait_s=float(env("TINSMITH_SAMPLER_ACK_WAIT_S", cls.ack_wait_s)),
