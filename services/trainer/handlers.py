@@ -7,7 +7,8 @@ Owns:
 - failing alone: whatever goes wrong around one request (reading it, restoring its run, executing
   it, recording its outcome) ends that request failed (an unexpected exception as an
   ``InternalError``, logged once with its traceback), spends its seq_id and lets the run's later
-  requests run; a failure the log refuses to record is retried until it is recorded;
+  requests run; a failure the log refuses to record is retried until it is recorded (or, if the
+  trainer stops first, the request goes back to the queue with the others it held);
 - acking and redelivery: a request is acked only after its outcome is durable, so a trainer that
   dies mid-step hands it to the next one after the ack wait (``TrainerConfig.ack_wait_s``). Every
   request the trainer holds, executing or waiting for an earlier seq_id however long, is extended
