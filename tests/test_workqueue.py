@@ -151,3 +151,39 @@ async def test_a_released_payload_is_gone_from_memory(bus: Bus) -> None:
         _ = delivery.data
     assert await bus.get(stream, delivery.stream_seq) == b"payload"
     await delivery.ack()
+
+
+async def test_a_stopped_queue_takes_nothing_more_and_what_it_hands_back_goes_elsewhere(
+    bus: Bus, nats_url: str
+) -> None:
+    """A stopping replica hands its requests back: none may come back to it (each return would
+    spend a delivery), and the others get them at once."""
+    stream = await _stream(bus)
+    subject = f"{stream.lower()}.>"
+    stopping: list[Delivery] = []
+    other: asyncio.Queue[Delivery] = asyncio.Queue()
+
+    async def hold(deliveries: list[Delivery]) -> None:
+        stopping.extend(deliveries)
+
+    async def take(deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            other.put_nowait(delivery)
+
+    queue = await bus.consume(stream, "w", subject, hold, batch=8, ack_wait_s=30)
+    await bus.js.publish(f"{stream.lower()}.1", b"held")
+    deadline = time.monotonic() + 10
+    while not stopping and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    await queue.stop()
+    for delivery in stopping:
+        await delivery.nak()
+    second = await Bus.connect(nats_url, name="test-workqueue-other")
+    try:
+        await second.consume(stream, "w", subject, take, batch=8, ack_wait_s=30)
+        await bus.js.publish(f"{stream.lower()}.2", b"new")
+        got = [await asyncio.wait_for(other.get(), 10) for _ in range(2)]
+        assert sorted((d.data, d.num_delivered) for d in got) == [(b"held", 2), (b"new", 1)]
+        assert [d.data for d in stopping] == [b"held"]
+    finally:
+        await second.close()

@@ -174,18 +174,19 @@ class Bus:
         batch: int,
         ack_wait_s: float,
         room: Callable[[], Awaitable[int]] | None = None,
-    ) -> None:
+    ) -> WorkQueue:
         """Work through a durable consumer shared by every replica of a service: each message
         goes to one replica, and one that is not acked within ``ack_wait_s`` is delivered again,
         at most ``workqueue.MAX_DELIVER`` times in all (tinsmith/workqueue.py).
 
         A replica asks for up to ``batch`` messages at a time; with ``room``, for up to what
         ``await room()`` returns (it waits until there is room), so a replica takes only what it
-        can start on and leaves the rest to the others."""
+        can start on and leaves the rest to the others. ``WorkQueue.stop`` takes no more."""
         queue = WorkQueue(
             self, stream, durable, subject, handler, batch=batch, ack_wait_s=ack_wait_s, room=room
         )
         await queue.start()
+        return queue
 
     async def serve(self, subject: str, handler: Callable[[bytes], Awaitable[bytes]]) -> None:
         """Answer requests on ``subject``; replicas share them through a queue group."""

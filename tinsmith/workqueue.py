@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import api
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, set_span_in_context
@@ -192,6 +193,8 @@ class WorkQueue:
         self._arrived: asyncio.Queue[Msg] = asyncio.Queue()
         self._changed = asyncio.Event()
         self._inbox = ""
+        self._subscription: Subscription | None = None
+        self._stopped = False
 
     async def start(self) -> None:
         # Create the consumer, or bring an existing one to this configuration (ack wait,
@@ -199,9 +202,22 @@ class WorkQueue:
         # as soon as a replica starts.
         await self.bus.js.add_consumer(self.stream, self.config)
         self._inbox = self.bus.nc.new_inbox()
-        await self.bus.nc.subscribe(self._inbox, cb=self._on_msg)
+        self._subscription = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg)
         self.bus.spawn(self._pull_loop())
         self.bus.spawn(self._handle_loop())
+
+    async def stop(self) -> None:
+        """Take no more work: the open pull requests end with the inbox (the server drops a pull
+        request whose inbox nobody listens to), and what arrived but was not handed over yet goes
+        back at once. What the service holds is its own to hand back (``Delivery.nak``), for
+        another replica now: nothing here can take it again."""
+        self._stopped = True
+        self._changed.set()
+        if self._subscription is not None:
+            await self._subscription.unsubscribe()
+        while not self._arrived.empty():
+            with contextlib.suppress(Exception):
+                await self._arrived.get_nowait().nak()
 
     async def _on_msg(self, msg: Msg) -> None:
         status = (msg.headers or {}).get(_STATUS)
@@ -231,13 +247,13 @@ class WorkQueue:
 
     async def _pull_loop(self) -> None:
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self.durable}"
-        while not self.bus.closing:
+        while not self.bus.closing and not self._stopped:
             wanted = self.batch if self.room is None else min(self.batch, await self.room())
             now = time.monotonic()
             while self._pulls and (self._pulls[0].deadline <= now or self._pulls[0].remaining <= 0):
                 self._pulls.popleft()  # ended long ago, or filled: the server owes nothing
             asked = sum(pull.remaining for pull in self._pulls)
-            if wanted > asked and not self.bus.closing:
+            if wanted > asked and not self.bus.closing and not self._stopped:
                 request = {"batch": wanted - asked, "expires": int(_PULL_EXPIRES_S * 1e9)}
                 try:
                     await self.bus.nc.publish(

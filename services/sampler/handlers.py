@@ -58,7 +58,7 @@ from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import PROTOBUF, EventLog
 from tinsmith.failures import Cancelled, NotFound, Unprocessable
 from tinsmith.tensors import tokens_from_bytes
-from tinsmith.workqueue import Delivery, exhausted
+from tinsmith.workqueue import Delivery, WorkQueue, exhausted
 
 from .config import SamplerConfig
 from .engine import AdapterMissing, Delta, Engine
@@ -121,6 +121,7 @@ class Sampler:
         self._work = asyncio.Event()  # set when the engine was given something
         self._room = asyncio.Event()  # set when a held request was let go
         self._stopping = False
+        self._queue: WorkQueue | None = None  # once started
         self._cancelled: OrderedDict[str, None] = OrderedDict()  # request ids, oldest first
 
     async def start(self) -> None:
@@ -140,7 +141,7 @@ class Sampler:
         await self.bus.follow(
             subjects.EVENTS_STREAM, subjects.SAMPLES_CANCELLED, self._on_cancelled
         )
-        await self.bus.consume(
+        self._queue = await self.bus.consume(
             subjects.EVENTS_STREAM,
             subjects.SAMPLER_CONSUMER,
             subjects.events_of("sampler"),
@@ -151,8 +152,11 @@ class Sampler:
         )
 
     async def stop(self) -> None:
-        """Hand every request not yet answered back to the queue, for another replica now."""
+        """Take no more work, and hand every request not yet answered back to the queue, for
+        another replica now (none can come back to this one)."""
         self._stopping = True
+        if self._queue is not None:
+            await self._queue.stop()
         for held in list(self._held.values()):
             with contextlib.suppress(Exception):
                 await held.delivery.nak()

@@ -21,7 +21,7 @@ from .handlers import Trainer
 async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = TrainerConfig.from_env()
     engine = TrainerEngine(config.cache_dir, config.torch_threads)
-    trainer = Trainer(bus, engine, BlobStore(config.blob_url), config.idle_unload_s)
+    trainer = Trainer(bus, engine, BlobStore(config.blob_url), config)
     await runtime.preload_base_models(trainer.compute, engine.load_base)
     await trainer.start()
     return trainer.stop

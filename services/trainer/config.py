@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from tinsmith import models
-
-# Trainer and sampler compute at the same time in RL loops: by default each takes half the cores.
-# Oversubscribed torch threads spin-wait on each other (measured: a step 10x slower).
-_HALF_THE_CORES = max(1, (os.cpu_count() or 2) // 2)
+from tinsmith import models, runtime
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     blob_url: str
     cache_dir: Path
-    torch_threads: int = _HALF_THE_CORES
+    # Half the CPUs this process may use (runtime.torch_threads): the sampler computes too.
+    torch_threads: int = field(default_factory=runtime.torch_threads)
     # A run whose session has not heart-beaten (the SDK beats every 10 s) for this long is
     # snapshotted to the object store and unloaded; its next request restores it.
     idle_unload_s: float = 120.0
@@ -35,7 +32,7 @@ class TrainerConfig:
         return cls(
             blob_url=os.environ.get("TINSMITH_BLOB_URL", f"file://{Path.cwd() / 'blobs'}"),
             cache_dir=Path(os.environ.get("TINSMITH_CACHE_DIR", str(models.default_cache_dir()))),
-            torch_threads=int(os.environ.get("TINSMITH_TORCH_THREADS", _HALF_THE_CORES)),
+            torch_threads=runtime.torch_threads(),
             idle_unload_s=float(os.environ.get("TINSMITH_IDLE_UNLOAD_S", cls.idle_unload_s)),
             ack_wait_s=float(os.environ.get("TINSMITH_TRAINER_ACK_WAIT_S", cls.ack_wait_s)),
             buffer_mb=float(os.environ.get("TINSMITH_TRAINER_BUFFER_MB", cls.buffer_mb)),

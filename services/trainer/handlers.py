@@ -52,7 +52,7 @@ from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
 from tinsmith.failures import InternalError, NotFound, TinsmithError, Unavailable
 from tinsmith.tensors import model_input_tokens
-from tinsmith.workqueue import Delivery, exhausted
+from tinsmith.workqueue import Delivery, WorkQueue, exhausted
 
 from .config import TrainerConfig
 from .engine import TrainerEngine
@@ -63,9 +63,6 @@ _T = TypeVar("_T")
 # Messages asked of the queue at a time. Requests far ahead of their turn wait here, their
 # payloads within the buffer budget.
 _BATCH = 256
-# Requests handed back on a stop come back this late, when this trainer's connection is closed
-# (a nak without delay could reach this stopping trainer again, and spend a delivery each time).
-_HAND_BACK_DELAY_S = 5.0
 # Waits between attempts to record a failure that the log refused (it is down, say).
 _RECORD_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # A failure's detail is cut to this many characters, so that recording it cannot fail for size.
@@ -99,18 +96,15 @@ class Trainer:
         bus_: Bus,
         engine: TrainerEngine,
         blobs: BlobStore,
-        idle_unload_s: float,
-        config: TrainerConfig | None = None,
+        config: TrainerConfig,
     ) -> None:
-        """``config`` gives the queue's settings (ack wait, buffer budget); without it they come
-        from the environment. ``idle_unload_s`` is the one that counts for idle runs."""
         self.bus = bus_
         self.log = EventLog(bus_)
         self.projection = FollowedProjection(self.log)
         self.engine = engine
         self.blobs = blobs
-        self.idle_unload_s = idle_unload_s
-        self.config = config or TrainerConfig.from_env()
+        self.idle_unload_s = config.idle_unload_s
+        self.config = config
         self.compute = ComputeThread(
             "trainer-compute",
             engine.init_compute_thread,
@@ -125,6 +119,7 @@ class Trainer:
         self._reaper_wake = asyncio.Event()
         self._quiet = asyncio.Event()  # set whenever a run's queue stops being busy
         self._stop = asyncio.Event()  # set when the trainer begins to stop
+        self._queue: WorkQueue | None = None  # once started
 
     async def start(self) -> None:
         telemetry.observe_models(self.engine.loaded)
@@ -142,14 +137,13 @@ class Trainer:
         await self.projection.start()
         await self.bus.listen(subjects.SESSION_HEARTBEATS, self._on_heartbeat)
         self.bus.spawn(self._keep_alive())
-        await self.bus.consume(
+        self._queue = await self.bus.consume(
             subjects.EVENTS_STREAM,
             subjects.TRAINER_CONSUMER,
             subjects.events_of("run"),
             self._on_deliveries,
             batch=_BATCH,
             ack_wait_s=self.config.ack_wait_s,
-            room=self._room,
         )
         self.bus.spawn(self._reap_idle_runs())
 
@@ -159,6 +153,8 @@ class Trainer:
         its next request (stopping loses no run), and hand the requests still waiting back to
         the queue, for the next trainer."""
         self._stop.set()
+        if self._queue is not None:
+            await self._queue.stop()  # no request reaches this trainer any more
         for model_id, queue in list(self.queues.items()):
             while queue.busy:  # a running step (or an idle unload) finishes first
                 self._quiet.clear()
@@ -170,15 +166,9 @@ class Trainer:
                     log.exception("could not snapshot run %s while stopping", model_id)
         for delivery in list(self.held.values()):
             with contextlib.suppress(Exception):
-                await delivery.nak(delay=_HAND_BACK_DELAY_S)
+                await delivery.nak()
         self.held.clear()
         self.compute.shutdown()
-
-    async def _room(self) -> int:
-        """How many messages to ask for: the batch, and none once stopping."""
-        if self.stopping:
-            await asyncio.Event().wait()  # until the connection closes and cancels the asking
-        return _BATCH
 
     @property
     def stopping(self) -> bool:
@@ -215,7 +205,7 @@ class Trainer:
     async def _take(self, delivery: Delivery) -> None:
         """Note a run's request (its run and seq_id) and hold it until its turn."""
         if self.stopping:
-            await delivery.nak(delay=_HAND_BACK_DELAY_S)
+            await delivery.nak()
             return
         try:
             event = events.decode(delivery.data)

@@ -46,15 +46,14 @@ class Harness:
         self, idle_unload_s: float = 3600.0, **config: float
     ) -> AsyncIterator[Trainer]:
         settings = TrainerConfig(
-            blob_url=self.blob_url, cache_dir=models.default_cache_dir(), **config
+            blob_url=self.blob_url,
+            cache_dir=models.default_cache_dir(),
+            idle_unload_s=idle_unload_s,
+            **config,
         )
         connection = await Bus.connect(self.nats_url, name="test-trainer")
         trainer = Trainer(
-            connection,
-            TrainerEngine(settings.cache_dir),
-            BlobStore(self.blob_url),
-            idle_unload_s,
-            settings,
+            connection, TrainerEngine(settings.cache_dir), BlobStore(self.blob_url), settings
         )
         await trainer.start()
         try:
