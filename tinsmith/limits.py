@@ -69,17 +69,25 @@ class Limits:
     def from_env(cls) -> Limits:
         limits = cls()
         for field, name in VARIABLES.items():
-            raw = os.environ.get(name, "").strip()
-            if not raw:
-                continue
-            try:
-                value = int(raw)
-            except ValueError:
-                raise SystemExit(f"{name}={raw!r} is not an integer") from None
-            if value < 1:
-                raise SystemExit(f"{name}={raw!r} must be at least 1")
-            limits = replace(limits, **{field: value})
+            value = count_from_env(name)
+            if value is not None:
+                limits = replace(limits, **{field: value})
         return limits
+
+
+def count_from_env(name: str) -> int | None:
+    """A positive integer from the environment variable ``name``; None when it is unset or
+    empty. Anything else stops the process with a message that names the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SystemExit(f"{name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise SystemExit(f"{name}={raw!r} must be at least 1")
+    return value
 
 
 # Each bound's environment variable.

@@ -32,12 +32,14 @@ from tinsmith import health, models, subjects, telemetry
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.failures import TinsmithError
+from tinsmith.limits import count_from_env
 
 log = logging.getLogger(__name__)
 
 # Results (forward_backward outputs, samples) are kept this long for the SDK to fetch.
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 SHUTDOWN_TIMEOUT_S = 15.0
+END_TASKS_TIMEOUT_S = 1.0
 
 
 def nats_url() -> str:
@@ -81,16 +83,8 @@ def torch_threads() -> int:
     """The torch threads of each engine's compute thread by default: the trainer and the
     sampler compute at the same time in RL loops, so each takes half the CPUs this process may
     use (``available_cpus``); ``TINSMITH_TORCH_THREADS`` overrides it."""
-    raw = os.environ.get("TINSMITH_TORCH_THREADS", "").strip()
-    if raw:
-        try:
-            threads = int(raw)
-        except ValueError:
-            raise SystemExit(f"TINSMITH_TORCH_THREADS={raw!r} is not an integer") from None
-        if threads < 1:
-            raise SystemExit(f"TINSMITH_TORCH_THREADS={raw!r} must be at least 1")
-        return threads
-    return max(1, available_cpus() // 2)
+    threads = count_from_env("TINSMITH_TORCH_THREADS")
+    return threads if threads is not None else max(1, available_cpus() // 2)
 
 
 def results_max_age_s() -> float:
@@ -142,10 +136,29 @@ def run(name: str, start: Start, description: str | None = None) -> None:
     parser.parse_args()
     telemetry.configure_logging(name)
     telemetry.setup(name, instance=f"{socket.gethostname()}:{os.getpid()}")
+    loop = asyncio.new_event_loop()
     try:
-        asyncio.run(_main(name, start))
+        loop.run_until_complete(_main(name, start))
+        _end_tasks(loop, name)
     finally:
+        loop.close()
         telemetry.shutdown()
+
+
+def _end_tasks(loop: asyncio.AbstractEventLoop, name: str) -> None:
+    """Cancel what is still running once the service has stopped, and give it
+    ``END_TASKS_TIMEOUT_S`` to end: ``asyncio.run`` waits for every task without bound, and a
+    task that never ends its cancellation (SQLAlchemy's aiosqlite connection, cancelled while it
+    opened, waits for a close that never comes) kept a service that was stopped while starting
+    from ever exiting."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        _, pending = loop.run_until_complete(asyncio.wait(tasks, timeout=END_TASKS_TIMEOUT_S))
+        for task in pending:
+            log.warning("%s: left behind a task that ignored its cancellation: %r", name, task)
+    loop.run_until_complete(loop.shutdown_asyncgens())
 
 
 @dataclass

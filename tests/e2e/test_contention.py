@@ -39,7 +39,9 @@ def test_training_and_sampling_go_on_while_the_cpus_are_busy(
 ) -> None:
     service = tinker.ServiceClient(base_url=system.url, api_key="tml-contention")
     try:
-        training = service.create_lora_training_client(base_model="tinsmith/tiny", rank=4, seed=1)
+        training = service.create_lora_training_client(
+            base_model="tinsmith/tiny", rank=4, seed=1
+        ).result()
         datum = types.Datum(
             model_input=types.ModelInput.from_ints([1, 2, 3, 4, 5]),
             loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6], "weights": [1.0] * 5},

@@ -288,7 +288,7 @@ def test_an_oversized_message_is_refused_with_a_clear_error(channel: grpc.Channe
     with pytest.raises(grpc.RpcError) as refused:
         training.CreateSession(huge, timeout=30)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "larger than max" in refused.value.details()
+    assert "one request may be at most 7340032 bytes" in refused.value.details()
 
 
 # -- streaming and cancellation ----------------------------------------------------------------
