@@ -154,24 +154,8 @@ class Rest:
             "external_weights_urls",
             request,
             tinker_path=_path(request),
-            base_url=self._base_url(request),
+            base_url=download_base(self.config, request.host),
         )
-
-    def _base_url(self, request: web.Request) -> str:
-        """The gateway's URL for the download URLs it signs: TINSMITH_PUBLIC_URL, else the
-        address it listens on, else (it listens on every interface) the request's Host header
-        if that is a well-formed host and port; never anything else a client sent."""
-        if self.config.public_url:
-            return self.config.public_url
-        host = self.config.host
-        if host not in _EVERY_INTERFACE:
-            return f"http://{f'[{host}]' if ':' in host else host}:{self.config.port}"
-        if not _HOST.fullmatch(request.host):
-            raise InvalidRequest(
-                f"the Host header {request.host[:100]!r} is not a host[:port] this gateway will "
-                "put into download URLs; the operator can set TINSMITH_PUBLIC_URL"
-            )
-        return f"http://{request.host}"
 
     async def weights_info(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -220,6 +204,23 @@ class Rest:
         except FileNotFoundError:
             raise NotFound("the file is no longer in storage") from None
         return web.Response(body=data, content_type="application/octet-stream")
+
+
+def download_base(config: GatewayConfig, host_header: str) -> str:
+    """The gateway's URL for the download URLs it signs: TINSMITH_PUBLIC_URL, else the address
+    it listens on, else (it listens on every interface) the request's Host header if that is a
+    well-formed host and port; never anything else a client sent."""
+    if config.public_url:
+        return config.public_url
+    host = config.host
+    if host not in _EVERY_INTERFACE:
+        return f"http://{f'[{host}]' if ':' in host else host}:{config.port}"
+    if not _HOST.fullmatch(host_header):
+        raise InvalidRequest(
+            f"the Host header {host_header[:100]!r} is not a host[:port] this gateway will put "
+            "into download URLs; the operator can set TINSMITH_PUBLIC_URL"
+        )
+    return f"http://{host_header}"
 
 
 def _path(request: web.Request) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -65,8 +66,9 @@ API = "/api/v1"
 # that a request that never settles is noticed in seconds.
 ENV = {"TINSMITH_TRAIN_MEMORY_MB": "16", "TINSMITH_LONG_POLL_S": "5"}
 OTHER_KEY = "tml-robust-other-user"  # the user whose samples the poison must not break
+PARSER_KEY = "tml-robust-in-a-malformed-header"  # sent only in requests aiohttp cannot parse
 FLOW_KEY = "tml-robust-flow"  # the normal training step compared with a fresh system
-KEYS = (API_KEY, SECRET_KEY, OTHER_KEY, FLOW_KEY)
+KEYS = (API_KEY, SECRET_KEY, OTHER_KEY, FLOW_KEY, PARSER_KEY)
 DEADLINE_S = 4.0  # a refusal is immediate; a bad request wrongly accepted waits this long
 SEED = 20261124
 
@@ -486,6 +488,61 @@ def test_a_sample_whose_result_cannot_be_stored_is_refused_up_front(
     accepted = http.post(API + "/asample", content=encode(later))
     assert accepted.status_code == 200, accepted.text[:300]
     assert _settle(http, accepted.json()["request_id"], 60).status_code == 200
+
+
+def _not_http(robust: RunningSystem, request: bytes) -> tuple[int, str, dict[str, Any]]:
+    """Send bytes that are not valid HTTP to the gateway: its status, content type and body."""
+    url = httpx.URL(robust.url)
+    with socket.create_connection((url.host, url.port), timeout=30) as conn:
+        conn.sendall(request)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    content_type = {k.lower(): v for k, v in headers.items()}.get("content-type", "")
+    return int(lines[0].split()[1]), content_type, json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: %s\x01\r\n"
+        b"Content-Length: 2\r\n\r\n{}",
+        b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key %s\r\n\r\n",
+        b"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: %s\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+        b"%s /api/v1/create_session HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+    ids=["control character in a header", "header without a colon", "bad chunk size", "method"],
+)
+def test_what_aiohttp_cannot_parse_is_answered_in_json_and_never_logged(
+    robust: RunningSystem, request_bytes: bytes
+) -> None:
+    """aiohttp's own parser errors answered plain text, and its log quoted the header bytes,
+    API key included (the log test below looks for ``PARSER_KEY`` in every log)."""
+    raw = request_bytes.replace(b"%s", PARSER_KEY.encode())
+    status, content_type, body = _not_http(robust, raw)
+    assert status == 400
+    assert content_type.startswith("application/json")
+    assert "not valid HTTP" in body["detail"]
+
+
+def test_download_urls_never_take_their_host_from_the_request(
+    robust: RunningSystem, ctx: Ctx
+) -> None:
+    """The gateway listens on 127.0.0.1 here: its download URLs name that address, whatever Host
+    header the caller sent."""
+    route = f"{API}/training_runs/{ctx.run_id}/checkpoints/external_weights/ext"
+    with httpx.Client(base_url=robust.url, timeout=30) as client:
+        reply = client.get(
+            route + "/external_weights_urls",
+            headers={"X-API-Key": API_KEY, "Host": "attacker.example:80"},
+        )
+    assert reply.status_code == 200, reply.text
+    urls = [url for url in json.dumps(reply.json()).split('"') if url.startswith("http")]
+    assert urls and all(url.startswith(robust.url + "/") for url in urls), urls
 
 
 # -- after everything ---------------------------------------------------------------------------

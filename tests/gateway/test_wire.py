@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from services.gateway import wire
+from services.gateway.config import GatewayConfig
+from services.gateway.rest import download_base
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest
 
@@ -51,3 +53,28 @@ def test_numbers_beyond_a_float_are_refused() -> None:
         wire.number({"learning_rate": 10**400}, "learning_rate")
     with pytest.raises(InvalidRequest, match="'seq_id' must be <= "):
         wire.req_int({"seq_id": 2**64}, "seq_id")
+
+
+@pytest.mark.parametrize(
+    ("public_url", "host", "header", "base"),
+    [
+        ("https://tinsmith.example", "0.0.0.0", "evil.example", "https://tinsmith.example"),
+        ("", "127.0.0.1", "evil.example:80", "http://127.0.0.1:8000"),
+        ("", "::1", "evil.example", "http://[::1]:8000"),
+        ("", "0.0.0.0", "gateway.tinsmith.svc:8000", "http://gateway.tinsmith.svc:8000"),
+        ("", "0.0.0.0", "10.0.0.7", "http://10.0.0.7"),
+    ],
+)
+def test_download_urls_name_a_configured_or_well_formed_host(
+    public_url: str, host: str, header: str, base: str
+) -> None:
+    config = GatewayConfig(host=host, port=8000, public_url=public_url)
+    assert download_base(config, header) == base
+
+
+@pytest.mark.parametrize(
+    "header", ["evil.example/x?", "user@evil.example", "a b", "x" * 300, "", "[::1", "h:port"]
+)
+def test_a_host_header_that_is_not_a_host_is_refused(header: str) -> None:
+    with pytest.raises(InvalidRequest, match="TINSMITH_PUBLIC_URL"):
+        download_base(GatewayConfig(host="0.0.0.0"), header)
