@@ -432,7 +432,9 @@ class Gateway:
             raise InvalidRequest("prompt must contain at least one token")
         wire.check_vocab(prompt, spec.vocab_size, "prompt")
         params = wire.sampling_params(body.get("sampling_params"), spec.vocab_size)
-        num_samples = wire.sample_count(body, MAX_NUM_SAMPLES)
+        num_samples = wire.req_int(
+            body, "num_samples", minimum=1, default=1, maximum=MAX_NUM_SAMPLES
+        )
         if len(prompt) + params.max_tokens > spec.max_context_length:
             raise InvalidRequest(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
@@ -504,14 +506,13 @@ class Gateway:
                 f"logits); one request may take {mib(budget)} (TINSMITH_SAMPLE_MEMORY_MB): ask "
                 "for fewer samples or tokens"
             )
-        targets = command.target_prompt_logprobs
-        cells = (
-            len(targets.sparse_csr.col_indices) // 8
-            if targets.WhichOneof("encoding") == "sparse_csr"
-            else int(targets.shape[0]) * int(targets.shape[1])
-            if command.HasField("target_prompt_logprobs")
-            else 0
-        )
+        cells = 0  # of target_prompt_logprobs: its stored ids (int64 column indices, if CSR)
+        if command.HasField("target_prompt_logprobs"):
+            targets = command.target_prompt_logprobs
+            if targets.WhichOneof("encoding") == "sparse_csr":
+                cells = len(targets.sparse_csr.col_indices) // 8
+            else:
+                cells = int(targets.shape[0]) * int(targets.shape[1])
         result = limits.sample_result_bytes(
             prompt=prompt,
             max_tokens=max_tokens,

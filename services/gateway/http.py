@@ -165,9 +165,8 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app.router.add_get(API + "/samplers/{id}", get_sampler)
     app.router.add_get(API + "/get_server_capabilities", capabilities)
     app.router.add_get(API + "/healthz", healthz)
-    (rest or Rest(gateway.log.bus, None, gateway.config)).add_routes(
-        app
-    )  # training runs, checkpoints, ...
+    # Training runs, checkpoints, sessions, downloads: the REST catalog.
+    (rest or Rest(gateway.log.bus, None, gateway.config)).add_routes(app)
     return app
 
 

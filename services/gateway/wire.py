@@ -98,9 +98,9 @@ def number(
     minimum: float = -math.inf,
     maximum: float = math.inf,
 ) -> float:
-    """A finite number within ``[minimum, maximum]`` (NaN and the infinities are refused
-    wherever a number is read: JSON's ``NaN`` and ``Infinity`` never get this far, but gRPC's
-    floats can hold them)."""
+    """A finite number within ``[minimum, maximum]``: NaN and the infinities are refused
+    wherever a number is read, whether they came as JSON's literals (``NonFinite``), as floats
+    from gRPC, or as integers too large for a float."""
     value = body.get(name, default)
     if isinstance(value, NonFinite):
         raise InvalidRequest(f"field {name!r} must be a finite number, got {value.literal}")
@@ -160,8 +160,8 @@ def check_metadata(limit: int, *parts: str | Iterable[str] | dict[str, str]) -> 
 
 
 def _short(value: object) -> str:
-    text = str(value)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+    digits = str(value)
+    return digits if len(digits) <= 40 else f"{digits[:20]}...({len(digits)} digits)"
 
 
 def lora_config(value: Any, max_rank: int) -> bus.LoraConfig:
@@ -226,10 +226,6 @@ def model_input(value: Any) -> list[int]:
             raise InvalidRequest(f"prompt chunk {i} 'tokens' must be a list of integers")
         tokens.extend(ids)
     return tokens
-
-
-def sample_count(body: dict[str, Any], maximum: int) -> int:
-    return req_int(body, "num_samples", minimum=1, default=1, maximum=maximum)
 
 
 def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:

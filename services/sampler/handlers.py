@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import tempfile
 import time
@@ -45,7 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from opentelemetry.trace import SpanKind
+from safetensors import SafetensorError, safe_open
 
 from services import gpu
 from tinsmith import artifacts, events, subjects, telemetry
@@ -67,10 +68,6 @@ log = logging.getLogger(__name__)
 
 # How many cancelled request ids a replica remembers, to skip such requests when it fetches them.
 _CANCELLED_REMEMBERED = 65536
-# The safetensors dtypes numpy reads, for the check of an adapter's weights.
-_NUMPY_FLOATS = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
-# bfloat16 has no numpy type: its NaNs and infinities are the values with every exponent bit set.
-_BF16_EXPONENT = 0x7F80
 
 
 @dataclass
@@ -284,7 +281,7 @@ class Sampler:
                     raise NotFound(
                         f"the adapter weights at {command.adapter_key!r} are gone: {exc}"
                     ) from exc
-                broken = await asyncio.to_thread(nonfinite_tensors, Path(tmp))
+                broken = await self.compute.run(nonfinite_tensors, Path(tmp))
                 if broken:
                     raise Unprocessable(
                         f"request {held.accepted.request_id}: the adapter weights at "
@@ -435,34 +432,19 @@ class Sampler:
 
 def nonfinite_tensors(directory: Path) -> list[str]:
     """The tensors of the safetensors files in ``directory`` (an adapter) that hold NaN or
-    infinite values. Engine-agnostic, with numpy: the format is read here (an 8-byte header
-    length, a JSON header, the data), since numpy has no bfloat16. A file that is not valid
-    safetensors is left for the engine's loader to refuse."""
+    infinite values, read with safetensors into torch (every float type, bfloat16 included):
+    run it on the compute thread. A file that is not valid safetensors is left for the engine's
+    loader to refuse."""
     broken = []
     for path in sorted(directory.glob("*.safetensors")):
-        data = np.memmap(path, dtype=np.uint8, mode="r")
         try:
-            size = int(data[:8].view("<u8")[0])
-            header = json.loads(bytes(data[8 : 8 + size]))
-            tensors = {
-                name: (info["dtype"], *info["data_offsets"])
-                for name, info in header.items()
-                if name != "__metadata__"
-            }
-        except (ValueError, KeyError, TypeError, IndexError):
+            with safe_open(str(path), framework="pt") as weights:
+                for name in weights.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    tensor = weights.get_tensor(name)
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        broken.append(name)
+        except SafetensorError:
             log.warning("%s is not valid safetensors; its values were not checked", path.name)
-            continue
-        for name, (dtype, begin, end) in tensors.items():
-            values = data[8 + size + begin : 8 + size + end]
-            if dtype in _NUMPY_FLOATS:
-                finite = bool(np.isfinite(values.view(_NUMPY_FLOATS[dtype])).all())
-            elif dtype == "BF16":
-                exponent = values.view("<u2") & _BF16_EXPONENT
-                finite = not bool((exponent == _BF16_EXPONENT).any())
-            else:
-                continue
-            if not finite:
-                broken.append(name)
     return broken
 
 

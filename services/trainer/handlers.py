@@ -103,7 +103,6 @@ class Trainer:
         self.projection = FollowedProjection(self.log)
         self.engine = engine
         self.blobs = blobs
-        self.idle_unload_s = config.idle_unload_s
         self.config = config
         self.compute = ComputeThread(
             "trainer-compute",
@@ -406,8 +405,9 @@ class Trainer:
         are. Heartbeats only push deadlines later, so waking early is harmless."""
         while True:
             now = time.monotonic()
+            idle = self.config.idle_unload_s
             deadlines = {
-                model_id: self.last_seen.get(queue.create.session_id, now) + self.idle_unload_s
+                model_id: self.last_seen.get(queue.create.session_id, now) + idle
                 for model_id, queue in self.queues.items()
                 if not queue.snapshot_key
             }
