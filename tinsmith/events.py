@@ -27,6 +27,8 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "checkpoint_deleted": ("run", "model_id"),
     "checkpoint_published": ("run", "model_id"),
     "checkpoint_ttl_set": ("run", "model_id"),
+    "key_issued": ("key", "key_id"),
+    "key_revoked": ("key", "key_id"),
 }
 _REQUEST_EVENTS = (
     "request_accepted",

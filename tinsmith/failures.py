@@ -44,6 +44,16 @@ class InvalidRequest(TinsmithError):
     category = Category.USER
 
 
+class Unauthenticated(TinsmithError):
+    """The call carries no API key, or one that is not valid (unknown, malformed or revoked):
+    HTTP 401, gRPC UNAUTHENTICATED. The SDK does not retry it."""
+
+    kind = "unauthenticated"
+    http_status = 401
+    grpc_code = "UNAUTHENTICATED"
+    category = Category.USER
+
+
 class NotFound(TinsmithError):
     """The request names a session, run, sampler, future or checkpoint that does not exist."""
 
@@ -110,6 +120,7 @@ _KINDS: dict[str, type[TinsmithError]] = {
     cls.kind: cls
     for cls in (
         InvalidRequest,
+        Unauthenticated,
         NotFound,
         Unprocessable,
         Unavailable,

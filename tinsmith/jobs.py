@@ -41,11 +41,13 @@ class RequestState:
 @dataclass(frozen=True)
 class SessionState:
     session_id: str
+    owner: str = ""  # the tenant; its runs, samplers, requests and checkpoints are its own
     tags: tuple[str, ...] = ()
     user_metadata: tuple[tuple[str, str], ...] = ()
     finished: bool = False
     run_ids: tuple[str, ...] = ()
     sampler_ids: tuple[str, ...] = ()
+    last_active: float = 0.0  # when it was created or last took a request (event time)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class RunState:
     last_sampler_checkpoint: str = ""
     # Set while the trainer has let go of the run: where its state is, and what runs next.
     snapshot: bus.RunUnloaded | None = None
+    owner: str = ""  # its session's tenant
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class SamplerState:
     base_model: str
     model_path: str
     adapter_key: str
+    owner: str = ""  # its session's tenant
 
 
 def evolve_request(state: RequestState | None, event: bus.Event) -> RequestState | None:
@@ -122,17 +126,26 @@ def evolve_session(state: SessionState | None, event: bus.Event) -> SessionState
         created = event.session_created
         return SessionState(
             session_id=created.session_id,
+            owner=created.owner,
             tags=tuple(created.tags),
             user_metadata=tuple(sorted(created.user_metadata.items())),
+            last_active=event.time,
         )
     if state is None:
         return None
     if kind == "session_finished":
         return replace(state, finished=True)
-    if kind == "request_accepted" and event.request_accepted.HasField("create_model"):
-        return replace(state, run_ids=(*state.run_ids, event.request_accepted.aggregate_id))
+    if kind == "request_accepted":
+        state = replace(state, last_active=max(state.last_active, event.time))
+        if event.request_accepted.HasField("create_model"):
+            return replace(state, run_ids=(*state.run_ids, event.request_accepted.aggregate_id))
+        return state
     if kind == "sampler_created":
-        return replace(state, sampler_ids=(*state.sampler_ids, event.sampler_created.sampler_id))
+        return replace(
+            state,
+            sampler_ids=(*state.sampler_ids, event.sampler_created.sampler_id),
+            last_active=max(state.last_active, event.time),
+        )
     return state
 
 
@@ -211,6 +224,29 @@ def evolve_sampler(state: SamplerState | None, event: bus.Event) -> SamplerState
     return state
 
 
+@dataclass(frozen=True)
+class KeyState:
+    """An API key as the operator issued it (its digest, never the key), and whether it was
+    revoked since."""
+
+    issued: bus.KeyIssued
+    issued_at: float
+    revoked: bool = False
+
+
+@dataclass
+class TenantUsage:
+    """What one tenant holds now, kept by the fold so that quotas are checked without a scan of
+    the whole log: its sessions and runs (counted against their quotas as they stand), the bytes
+    of its live checkpoints, and its requests not yet settled."""
+
+    session_ids: set[str] = field(default_factory=set)
+    run_ids: set[str] = field(default_factory=set)
+    checkpoint_bytes: int = 0
+    inflight: int = 0  # requests accepted and not yet settled
+    queued_samples: int = 0  # of those, sample requests
+
+
 @dataclass
 class Projection:
     """Every aggregate's folded state, indexed by id, and the log position it reflects."""
@@ -224,11 +260,22 @@ class Projection:
     rejections: dict[str, bus.RequestRejected] = field(default_factory=dict)
     checkpoints: dict[str, bus.WeightsSaved] = field(default_factory=dict)
     saved_at: dict[str, float] = field(default_factory=dict)  # tinker path -> event time
+    published: set[str] = field(default_factory=set)  # tinker paths readable by every tenant
+    keys: dict[str, KeyState] = field(default_factory=dict)  # by key_id
+    tenants: dict[str, TenantUsage] = field(default_factory=dict)
     # Requests accepted and not yet settled: the depth of the samplers' shared queue, and of
     # the trainers' work.
     pending_samples: int = 0
     pending_training: int = 0
     position: int = 0
+
+    def owner_of(self, aggregate_id: str) -> str | None:
+        """The tenant of a run or sampler (None: there is no such aggregate)."""
+        held = self.runs.get(aggregate_id) or self.samplers.get(aggregate_id)
+        return None if held is None else held.owner
+
+    def usage(self, tenant: str) -> TenantUsage:
+        return self.tenants.get(tenant) or TenantUsage()
 
     def apply(self, seq: int, event: bus.Event) -> None:
         """Fold one event in. Events at or below ``position`` were applied already."""
@@ -237,45 +284,107 @@ class Projection:
         self.position = seq
         kind = events.kind_of(event)
         if kind.startswith("request_"):
-            body = getattr(event, kind)
-            rid = body.request_id if kind != "request_rejected" else ""
-            if rid:
-                before = self.requests.get(rid)
-                after = evolve_request(before, event)
-                _put(self.requests, rid, after)
-                if after is not None:
-                    was = before is not None and before.status is Status.PENDING
-                    change = int(after.status is Status.PENDING) - int(was)
-                    if after.command == "sample":
-                        self.pending_samples += change
-                    else:
-                        self.pending_training += change
-            agg = body.aggregate_id
-            if kind == "request_rejected":
-                self.rejections.setdefault(events.request_id(agg, body.seq_id), body)
-            _put(self.runs, agg, evolve_run(self.runs.get(agg), event))
-            if kind == "request_accepted" and body.HasField("create_model"):
-                sid = body.create_model.session_id
-                _put(self.sessions, sid, evolve_session(self.sessions.get(sid), event))
+            self._apply_request(kind, event)
             return
         aggregate, agg_id = events.aggregate_of(event)
-        if aggregate == "session":
-            _put(self.sessions, agg_id, evolve_session(self.sessions.get(agg_id), event))
+        if aggregate == "key":
+            self._apply_key(kind, event)
+        elif aggregate == "session":
+            session = evolve_session(self.sessions.get(agg_id), event)
+            _put(self.sessions, agg_id, session)
+            if kind == "session_created" and session is not None:
+                self._usage(session.owner).session_ids.add(agg_id)
         elif aggregate == "sampler":
-            _put(self.samplers, agg_id, evolve_sampler(self.samplers.get(agg_id), event))
             sid = event.sampler_created.session_id
+            owner = self.sessions[sid].owner if sid in self.sessions else ""
+            sampler = evolve_sampler(self.samplers.get(agg_id), event)
+            _put(self.samplers, agg_id, sampler and replace(sampler, owner=owner))
             _put(self.sessions, sid, evolve_session(self.sessions.get(sid), event))
         else:
             if kind == "weights_saved":
-                self.checkpoints[event.weights_saved.tinker_path] = event.weights_saved
-                self.saved_at[event.weights_saved.tinker_path] = event.time
+                self._saved(event.weights_saved, event.time)
             elif kind == "checkpoint_deleted":
                 gone = event.checkpoint_deleted
                 saved = self.checkpoints.get(gone.tinker_path)
                 if saved is not None and saved.blob_key == gone.blob_key:
-                    del self.checkpoints[gone.tinker_path]
-                    self.saved_at.pop(gone.tinker_path, None)
+                    self._forget(gone.tinker_path)
+            elif kind == "checkpoint_published":
+                published = event.checkpoint_published
+                if published.public and published.tinker_path in self.checkpoints:
+                    self.published.add(published.tinker_path)
+                else:
+                    self.published.discard(published.tinker_path)
             _put(self.runs, agg_id, evolve_run(self.runs.get(agg_id), event))
+
+    def _apply_request(self, kind: str, event: bus.Event) -> None:
+        body = getattr(event, kind)
+        agg = body.aggregate_id
+        rid = body.request_id if kind != "request_rejected" else ""
+        if rid:
+            before = self.requests.get(rid)
+            after = evolve_request(before, event)
+            _put(self.requests, rid, after)
+            if after is not None:
+                was = before is not None and before.status is Status.PENDING
+                change = int(after.status is Status.PENDING) - int(was)
+                usage = self._usage(self._owner_for(agg, event))
+                usage.inflight += change
+                if after.command == "sample":
+                    self.pending_samples += change
+                    usage.queued_samples += change
+                else:
+                    self.pending_training += change
+        if kind == "request_rejected":
+            self.rejections.setdefault(events.request_id(agg, body.seq_id), body)
+        run = evolve_run(self.runs.get(agg), event)
+        if kind == "request_accepted" and body.HasField("create_model"):
+            sid = body.create_model.session_id
+            session = evolve_session(self.sessions.get(sid), event)
+            _put(self.sessions, sid, session)
+            if run is not None and agg not in self.runs and session is not None:
+                run = replace(run, owner=session.owner)
+                self._usage(session.owner).run_ids.add(agg)
+        elif kind == "request_accepted":
+            held = self.runs.get(agg) or self.samplers.get(agg)
+            if held is not None and held.session_id in self.sessions:
+                sid = held.session_id
+                _put(self.sessions, sid, evolve_session(self.sessions[sid], event))
+        _put(self.runs, agg, run)
+
+    def _owner_for(self, aggregate_id: str, event: bus.Event) -> str:
+        owner = self.owner_of(aggregate_id)
+        if owner is None and event.request_accepted.HasField("create_model"):
+            session = self.sessions.get(event.request_accepted.create_model.session_id)
+            owner = session.owner if session is not None else ""
+        return owner or ""
+
+    def _apply_key(self, kind: str, event: bus.Event) -> None:
+        if kind == "key_issued":
+            issued = event.key_issued
+            self.keys.setdefault(issued.key_id, KeyState(issued=issued, issued_at=event.time))
+        elif kind == "key_revoked" and event.key_revoked.key_id in self.keys:
+            key_id = event.key_revoked.key_id
+            self.keys[key_id] = replace(self.keys[key_id], revoked=True)
+
+    def _saved(self, saved: bus.WeightsSaved, time: float) -> None:
+        if saved.tinker_path in self.checkpoints:
+            self._forget(saved.tinker_path)  # overwritten: the new one replaces it
+        self.checkpoints[saved.tinker_path] = saved
+        self.saved_at[saved.tinker_path] = time
+        self._usage(self._run_owner(saved.model_id)).checkpoint_bytes += saved.size_bytes
+
+    def _forget(self, tinker_path: str) -> None:
+        saved = self.checkpoints.pop(tinker_path)
+        self.saved_at.pop(tinker_path, None)
+        self.published.discard(tinker_path)
+        self._usage(self._run_owner(saved.model_id)).checkpoint_bytes -= saved.size_bytes
+
+    def _run_owner(self, model_id: str) -> str:
+        run = self.runs.get(model_id)
+        return run.owner if run is not None else ""
+
+    def _usage(self, tenant: str) -> TenantUsage:
+        return self.tenants.setdefault(tenant, TenantUsage())
 
 
 def _put(index: dict[_K, _V], key: _K, value: _V | None) -> None:

@@ -58,7 +58,7 @@ CATALOG_OPS = (
     "gc",
 )
 
-AGGREGATES = ("session", "run", "sampler")
+AGGREGATES = ("session", "run", "sampler", "key")
 
 # Ids become subject tokens, so they exclude ".", "*", ">" and whitespace. The SDK builds run ids
 # itself as "<session_id>:train:<n>", so ":" is allowed.

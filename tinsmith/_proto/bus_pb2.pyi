@@ -348,7 +348,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +365,8 @@ class Event(_message.Message):
     CHECKPOINT_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_TTL_SET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    KEY_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    KEY_REVOKED_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -381,7 +383,9 @@ class Event(_message.Message):
     checkpoint_published: CheckpointPublished
     checkpoint_ttl_set: CheckpointTtlSet
     request_cancelled: RequestCancelled
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ...) -> None: ...
+    key_issued: KeyIssued
+    key_revoked: KeyRevoked
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ...) -> None: ...
 
 class ResolveCheckpoint(_message.Message):
     __slots__ = ("tinker_path",)
@@ -390,7 +394,7 @@ class ResolveCheckpoint(_message.Message):
     def __init__(self, tinker_path: _Optional[str] = ...) -> None: ...
 
 class CatalogQuery(_message.Message):
-    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s")
+    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin")
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     ACCESS_SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +407,7 @@ class CatalogQuery(_message.Message):
     PUBLIC_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     owner: str
     access_scope: str
@@ -415,7 +420,8 @@ class CatalogQuery(_message.Message):
     public: bool
     base_url: str
     grace_s: float
-    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ...) -> None: ...
+    admin: bool
+    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ..., admin: _Optional[bool] = ...) -> None: ...
 
 class CatalogReply(_message.Message):
     __slots__ = ("error_kind", "error_detail", "json")
@@ -470,3 +476,43 @@ class CheckpointTtlSet(_message.Message):
     ttl_seconds: int
     expires_at: float
     def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class Quotas(_message.Message):
+    __slots__ = ("max_runs", "max_sessions", "max_checkpoint_bytes", "max_inflight", "max_queued_samples")
+    MAX_RUNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    max_runs: int
+    max_sessions: int
+    max_checkpoint_bytes: int
+    max_inflight: int
+    max_queued_samples: int
+    def __init__(self, max_runs: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_checkpoint_bytes: _Optional[int] = ..., max_inflight: _Optional[int] = ..., max_queued_samples: _Optional[int] = ...) -> None: ...
+
+class KeyIssued(_message.Message):
+    __slots__ = ("key_id", "tenant", "admin", "salt", "digest", "quotas", "label")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    QUOTAS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    tenant: str
+    admin: bool
+    salt: bytes
+    digest: bytes
+    quotas: Quotas
+    label: str
+    def __init__(self, key_id: _Optional[str] = ..., tenant: _Optional[str] = ..., admin: _Optional[bool] = ..., salt: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., quotas: _Optional[_Union[Quotas, _Mapping]] = ..., label: _Optional[str] = ...) -> None: ...
+
+class KeyRevoked(_message.Message):
+    __slots__ = ("key_id", "reason")
+    KEY_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    key_id: str
+    reason: str
+    def __init__(self, key_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
