@@ -63,6 +63,17 @@ class NotFound(TinsmithError):
     category = Category.USER
 
 
+class QuotaExceeded(TinsmithError):
+    """The caller's tenant holds as much of something as its quota allows (runs, sessions,
+    stored checkpoints): HTTP 403, gRPC RESOURCE_EXHAUSTED. Not retried: it frees up only when
+    the tenant lets go of something, or the operator raises the quota."""
+
+    kind = "quota_exceeded"
+    http_status = 403
+    grpc_code = "RESOURCE_EXHAUSTED"
+    category = Category.USER
+
+
 class Unprocessable(TinsmithError):
     """Well-formed, but cannot be applied to the current state (HTTP 422)."""
 
@@ -122,6 +133,7 @@ _KINDS: dict[str, type[TinsmithError]] = {
         InvalidRequest,
         Unauthenticated,
         NotFound,
+        QuotaExceeded,
         Unprocessable,
         Unavailable,
         Overloaded,

@@ -52,9 +52,9 @@ class Quotas:
     (``VARIABLES``); a key may override each one (``bus.Quotas``)."""
 
     # Runs loaded in the trainers (not unloaded for idleness, in a session not finished).
-    max_runs: int = 8
+    max_runs: int = 64
     # Sessions not finished that created something or took a request in the last hour.
-    max_sessions: int = 32
+    max_sessions: int = 256
     # Bytes of the tenant's live checkpoints in storage.
     max_checkpoint_bytes: int = 64 << 30
     # Requests accepted and not yet settled, training and sampling together.

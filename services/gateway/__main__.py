@@ -7,6 +7,7 @@ event on NATS and answers from its projection of the log. Stateless: run any num
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 from tinsmith import runtime
@@ -19,12 +20,20 @@ from .config import GatewayConfig
 from .handlers import Gateway
 from .rest import Rest
 
+log = logging.getLogger(__name__)
+
 
 async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = GatewayConfig.from_env()
     gateway = Gateway(config, EventLog(bus))
     await gateway.start()
-    rest = Rest(bus, BlobStore(config.blob_url) if config.blob_url else None, config)
+    log.info(
+        "authentication: %s (TINSMITH_AUTH); %d keys issued, %d revoked",
+        config.auth,
+        len(gateway.state.keys),
+        sum(key.revoked for key in gateway.state.keys.values()),
+    )
+    rest = Rest(gateway, BlobStore(config.blob_url) if config.blob_url else None)
     stop_http = await http.serve(http.build_app(gateway, rest), config.host, config.port)
     stop_grpc = await grpc_face.serve(gateway, rest, config)
 

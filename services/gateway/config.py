@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tinsmith import tenants
 from tinsmith.limits import Limits
 
 
@@ -33,11 +34,17 @@ class GatewayConfig:
     public_url: str = ""
     # The bounds every request is checked against before it is accepted.
     limits: Limits = field(default_factory=Limits)
+    # Who may call (tinsmith/tenants.py): "keys" (issued keys only) or "open" (any tml- key is
+    # its own tenant). TINSMITH_AUTH; unset: open on loopback, keys anywhere else.
+    auth: str = tenants.OPEN
+    # Each tenant's quotas unless its key overrides them (TINSMITH_TENANT_* variables).
+    quotas: tenants.Quotas = field(default_factory=tenants.Quotas)
 
     @classmethod
     def from_env(cls) -> GatewayConfig:
+        host = os.environ.get("TINSMITH_HOST", cls.host)
         return cls(
-            host=os.environ.get("TINSMITH_HOST", cls.host),
+            host=host,
             port=int(os.environ.get("TINSMITH_PORT", cls.port)),
             long_poll_s=float(os.environ.get("TINSMITH_LONG_POLL_S", cls.long_poll_s)),
             sampler_queue_limit=int(
@@ -47,4 +54,6 @@ class GatewayConfig:
             grpc_port=int(os.environ.get("TINSMITH_GRPC_PORT", cls.grpc_port)),
             public_url=os.environ.get("TINSMITH_PUBLIC_URL", "").rstrip("/"),
             limits=Limits.from_env(),
+            auth=tenants.mode_from_env(host),
+            quotas=tenants.Quotas.from_env(),
         )

@@ -1,10 +1,11 @@
 """The gRPC face (proto/tinsmith/v1/service.proto), on grpc.aio, beside the HTTP API.
 
-Owns: turning each gRPC request into the body the HTTP route would carry, calling the same
-``Gateway`` (and ``Rest``) method the HTTP route calls, awaiting the future on the gateway's
-projection within the call's deadline instead of long-polling, and mapping errors with the one
-error tree (``TinsmithError.grpc_code``). Also enables server reflection and grpc.health.v1.
-Does not own: what the operations do (handlers.py, rest.py).
+Owns: authenticating each call (its ``x-api-key`` metadata names its tenant; UNAUTHENTICATED
+without a valid one), turning each gRPC request into the typed request of the operation the HTTP
+route performs too, awaiting the future on the gateway's projection within the call's deadline
+instead of long-polling, and mapping errors with the one error tree
+(``TinsmithError.grpc_code``). Also enables server reflection and grpc.health.v1, which need no
+key. Does not own: what the operations do (operations.py, and the catalog behind rest.py).
 
 Message size: a request may be at most ``GatewayConfig.grpc_max_message_bytes`` (it becomes one
 message on NATS, whose limit is 8 MiB); a larger one fails with RESOURCE_EXHAUSTED from gRPC
@@ -38,17 +39,21 @@ from tinsmith import events, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import InternalError, TinsmithError, TooLarge
+from tinsmith.failures import InternalError, TinsmithError, TooLarge, Unauthenticated
+from tinsmith.limits import TTL_MAX_S
+from tinsmith.tenants import Tenant
 
+from . import operations as ops
+from . import wire
 from .config import GatewayConfig
 from .handlers import Gateway, JsonDict
-from .rest import Rest, owner_of_key
+from .rest import Rest
 
 log = logging.getLogger(__name__)
 
 PACKAGE = "tinsmith.v1"
 SERVICES = ("Training", "Sampling", "Catalog")
-Method = Callable[[Any, Any], Awaitable[Message | None]]
+Method = Callable[[Any, Any, Tenant], Awaitable[Message | None]]
 
 # The longest error detail sent back: it travels in trailing metadata, which gRPC caps (16 KiB);
 # a detail that quotes a long input must not turn an INVALID_ARGUMENT into RESOURCE_EXHAUSTED.
@@ -93,23 +98,32 @@ class _DeadlinePassed(Exception):
 
 
 class GrpcFace:
+    """Each RPC: its protobuf request translated into the operation's typed request (the
+    nested parts through wire.py's field readers, so both faces refuse the same values with the
+    same details), performed by the gateway as the calling tenant, and answered once its
+    future has settled."""
+
     def __init__(self, gateway: Gateway, rest: Rest) -> None:
         self.gateway = gateway
         self.rest = rest
 
     # -- training ------------------------------------------------------------------------------
 
-    async def CreateSession(self, request: svc.CreateSessionRequest, context: Any) -> Message:
-        body = {
-            "tags": list(request.tags),
-            "user_metadata": dict(request.user_metadata),
-            "project_id": request.project_id,
-            "display_name": request.display_name,
-        }
-        created = await self.gateway.create_session(body, owner=_owner(context))
-        return svc.CreateSessionResponse(session_id=created["session_id"])
+    async def CreateSession(
+        self, request: svc.CreateSessionRequest, context: Any, tenant: Tenant
+    ) -> Message:
+        created = ops.CreateSession(
+            tags=tuple(request.tags),
+            user_metadata=dict(request.user_metadata),
+            project_id=wire.text({"project_id": request.project_id}, "project_id"),
+            display_name=request.display_name,
+        )
+        session_id = await self.gateway.perform(tenant, ops.create_session, created)
+        return svc.CreateSessionResponse(session_id=session_id)
 
-    async def CreateModel(self, request: svc.CreateModelRequest, context: Any) -> Message:
+    async def CreateModel(
+        self, request: svc.CreateModelRequest, context: Any, tenant: Tenant
+    ) -> Message:
         lora: JsonDict = {
             name: getattr(request, name)
             for name in ("train_mlp", "train_attn", "train_unembed", "seed")
@@ -117,66 +131,97 @@ class GrpcFace:
         }
         if request.HasField("lora_rank"):
             lora["rank"] = request.lora_rank
-        body = {
-            "session_id": request.session_id,
-            "model_seq_id": request.model_seq_id,
-            "base_model": request.base_model,
-            "lora_config": lora,
-            "user_metadata": dict(request.user_metadata),
-        }
-        result = await self._json(await self.gateway.create_model(body), context)
+        create = ops.CreateModel(
+            session_id=request.session_id,
+            model_seq_id=request.model_seq_id,
+            base_model=wire.req_str({"base_model": request.base_model}, "base_model"),
+            lora=wire.lora_config(lora),
+            user_metadata=dict(request.user_metadata),
+        )
+        result = await self._json(
+            tenant, await self._perform(tenant, ops.create_model, create), context
+        )
         return svc.CreateModelResponse(model_id=result["model_id"])
 
-    async def LoadState(self, request: svc.LoadStateRequest, context: Any) -> Message:
-        body = {
-            "session_id": request.session_id,
-            "model_seq_id": request.model_seq_id,
-            "path": request.path,
-            "optimizer": request.with_optimizer,
-        }
-        result = await self._json(await self.gateway.load_weights(body), context)
+    async def LoadState(
+        self, request: svc.LoadStateRequest, context: Any, tenant: Tenant
+    ) -> Message:
+        load = ops.LoadState(
+            session_id=request.session_id,
+            model_seq_id=request.model_seq_id,
+            path=wire.req_str({"path": request.path}, "path"),
+            with_optimizer=request.with_optimizer,
+        )
+        result = await self._json(
+            tenant, await self._perform(tenant, ops.load_state, load), context
+        )
         return svc.CreateModelResponse(model_id=result["model_id"])
 
-    async def Forward(self, request: tp.ForwardBackwardRequest, context: Any) -> Message:
+    async def Forward(
+        self, request: tp.ForwardBackwardRequest, context: Any, tenant: Tenant
+    ) -> Message:
         request.forward_only = True
-        return await self._forward_backward(request, context)
+        return await self._forward_backward(request, context, tenant)
 
-    async def ForwardBackward(self, request: tp.ForwardBackwardRequest, context: Any) -> Message:
+    async def ForwardBackward(
+        self, request: tp.ForwardBackwardRequest, context: Any, tenant: Tenant
+    ) -> Message:
         request.forward_only = False
-        return await self._forward_backward(request, context)
+        return await self._forward_backward(request, context, tenant)
 
-    async def _forward_backward(self, request: tp.ForwardBackwardRequest, context: Any) -> Message:
-        future = await self.gateway.forward_backward(request.SerializeToString())
-        return tp.ForwardBackwardOutput.FromString(await self._bytes(future, context))
+    async def _forward_backward(
+        self, request: tp.ForwardBackwardRequest, context: Any, tenant: Tenant
+    ) -> Message:
+        future = await self._perform(tenant, ops.forward_backward, ops.ForwardBackward(request))
+        return tp.ForwardBackwardOutput.FromString(await self._bytes(tenant, future, context))
 
-    async def OptimStep(self, request: svc.OptimStepRequest, context: Any) -> Message:
+    async def OptimStep(
+        self, request: svc.OptimStepRequest, context: Any, tenant: Tenant
+    ) -> Message:
         adam = {
             field.name: value for field, value in request.adam_params.ListFields()
         }  # only the fields set: the others take the Tinker defaults
-        body = {"model_id": request.model_id, "seq_id": request.seq_id, "adam_params": adam}
-        result = await self._json(await self.gateway.optim_step(body), context)
+        step = ops.OptimStep(
+            model_id=request.model_id, seq_id=request.seq_id, adam=wire.adam_params(adam)
+        )
+        result = await self._json(
+            tenant, await self._perform(tenant, ops.optim_step, step), context
+        )
         return svc.OptimStepResponse(metrics=result["metrics"])
 
-    async def SaveState(self, request: svc.SaveRequest, context: Any) -> Message:
-        return await self._save(request, context, for_sampler=False)
+    async def SaveState(self, request: svc.SaveRequest, context: Any, tenant: Tenant) -> Message:
+        return await self._save(request, context, tenant, bus.CHECKPOINT_KIND_TRAINING)
 
-    async def SaveForSampler(self, request: svc.SaveRequest, context: Any) -> Message:
-        return await self._save(request, context, for_sampler=True)
+    async def SaveForSampler(
+        self, request: svc.SaveRequest, context: Any, tenant: Tenant
+    ) -> Message:
+        return await self._save(request, context, tenant, bus.CHECKPOINT_KIND_SAMPLER)
 
-    async def _save(self, request: svc.SaveRequest, context: Any, *, for_sampler: bool) -> Message:
-        body: JsonDict = {
-            "model_id": request.model_id,
-            "seq_id": request.seq_id,
-            "path": request.path,
-            "overwrite": request.overwrite,
-            "user_metadata": dict(request.user_metadata),
-        }
-        if request.HasField("ttl_seconds"):
-            body["ttl_seconds"] = request.ttl_seconds
-        if request.HasField("sampling_session_seq_id"):
-            body["sampling_session_seq_id"] = request.sampling_session_seq_id
-        future = await self.gateway.save_weights(body, for_sampler=for_sampler)
-        result = await self._json(future, context)
+    async def _save(
+        self,
+        request: svc.SaveRequest,
+        context: Any,
+        tenant: Tenant,
+        kind: bus.CheckpointKind,
+    ) -> Message:
+        ttl = request.ttl_seconds if request.HasField("ttl_seconds") else None
+        save = ops.SaveWeights(
+            model_id=request.model_id,
+            seq_id=request.seq_id,
+            kind=kind,
+            name=request.path,
+            overwrite=request.overwrite,
+            ttl_seconds=None
+            if ttl is None
+            else wire.req_int({"ttl_seconds": ttl}, "ttl_seconds", minimum=1, maximum=TTL_MAX_S),
+            sampling_session_seq_id=request.sampling_session_seq_id
+            if request.HasField("sampling_session_seq_id")
+            else None,
+            user_metadata=dict(request.user_metadata),
+        )
+        result = await self._json(
+            tenant, await self._perform(tenant, ops.save_weights, save), context
+        )
         return svc.SaveResponse(
             path=result.get("path", ""), sampling_session_id=result.get("sampling_session_id", "")
         )
@@ -184,31 +229,31 @@ class GrpcFace:
     # -- sampling ------------------------------------------------------------------------------
 
     async def CreateSamplingSession(
-        self, request: svc.CreateSamplingSessionRequest, context: Any
+        self, request: svc.CreateSamplingSessionRequest, context: Any, tenant: Tenant
     ) -> Message:
-        body = {
-            "session_id": request.session_id,
-            "sampling_session_seq_id": request.sampling_session_seq_id,
-            "base_model": request.base_model or None,
-            "model_path": request.model_path or None,
-        }
-        created = await self.gateway.create_sampling_session(body)
-        return svc.CreateSamplingSessionResponse(sampling_session_id=created["sampling_session_id"])
+        create = ops.CreateSampler(
+            session_id=request.session_id,
+            sampling_session_seq_id=request.sampling_session_seq_id,
+            base_model=request.base_model,
+            model_path=request.model_path,
+        )
+        sampler_id = await self.gateway.perform(tenant, ops.create_sampler, create)
+        return svc.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
 
-    async def Sample(self, request: svc.SampleRequest, context: Any) -> Message:
-        request_id = await self._accept_sample(request, context, stream=False)
-        async with self._cancelling(request_id, context):
-            body, _ = await self.gateway.result(request_id, context.time_remaining())
+    async def Sample(self, request: svc.SampleRequest, context: Any, tenant: Tenant) -> Message:
+        request_id = await self._accept_sample(request, context, tenant, stream=False)
+        async with self._cancelling(tenant, request_id, context):
+            body, _ = await self.gateway.result(tenant, request_id, context.time_remaining())
         return tp.SampleResponse.FromString(body)
 
-    async def SampleStream(self, request: svc.SampleRequest, context: Any) -> None:
+    async def SampleStream(self, request: svc.SampleRequest, context: Any, tenant: Tenant) -> None:
         request_id = events.request_id(request.sampling_session_id, request.seq_id)
         relay = _Relay()
         with self.gateway.watch(request_id) as progress:  # before the sampler can send any
-            await self._accept_sample(request, context, stream=True)
-            async with self._cancelling(request_id, context):
+            await self._accept_sample(request, context, tenant, stream=True)
+            async with self._cancelling(tenant, request_id, context):
                 settled = asyncio.ensure_future(
-                    self.gateway.result(request_id, context.time_remaining())
+                    self.gateway.result(tenant, request_id, context.time_remaining())
                 )
                 arrival: asyncio.Future[bus.SampleProgress] | None = None
                 try:
@@ -227,7 +272,9 @@ class GrpcFace:
         await context.write(relay.last(tp.SampleResponse.FromString(body)))
         telemetry.annotate({"tinsmith.stream.messages": relay.messages})
 
-    async def _accept_sample(self, request: svc.SampleRequest, context: Any, stream: bool) -> str:
+    async def _accept_sample(
+        self, request: svc.SampleRequest, context: Any, tenant: Tenant, stream: bool
+    ) -> str:
         """Accept a sample request; return its request id. A call that ends meanwhile still
         gets its request accepted, and then cancelled."""
         body = {
@@ -240,49 +287,52 @@ class GrpcFace:
             "topk_prompt_logprobs": request.topk_prompt_logprobs,
             "topk_sample_logprobs": request.topk_sample_logprobs,
         }
-        accepting = asyncio.ensure_future(self.gateway.asample(body, stream=stream))
+        sample = wire.sample(body, stream=stream)
+        accepting = asyncio.ensure_future(self.gateway.perform(tenant, ops.sample, sample))
         try:
             future = await asyncio.shield(accepting)
         except asyncio.CancelledError:
             why = _DEADLINE if _expired(context) else _CLIENT
 
-            def cancel(done: asyncio.Future[JsonDict]) -> None:
+            def cancel(done: asyncio.Future[ops.Future]) -> None:
                 if not done.cancelled() and done.exception() is None:
-                    self._cancel(done.result()["request_id"], why)
+                    self._cancel(tenant, done.result().request_id, why)
 
             accepting.add_done_callback(cancel)
             raise
-        request_id = future["request_id"]
-        assert isinstance(request_id, str)
-        return request_id
+        return future.request_id
 
     @contextlib.asynccontextmanager
-    async def _cancelling(self, request_id: str, context: Any) -> AsyncIterator[None]:
+    async def _cancelling(
+        self, tenant: Tenant, request_id: str, context: Any
+    ) -> AsyncIterator[None]:
         """Cancel the sample request if the call ends before its result: its deadline passes
         (DEADLINE_EXCEEDED) or the client cancels it."""
         try:
             yield
         except TimeoutError as exc:
-            raise _DeadlinePassed(self._cancel(request_id, _DEADLINE)) from exc
+            raise _DeadlinePassed(self._cancel(tenant, request_id, _DEADLINE)) from exc
         except asyncio.CancelledError:
-            self._cancel(request_id, _DEADLINE if _expired(context) else _CLIENT)
+            self._cancel(tenant, request_id, _DEADLINE if _expired(context) else _CLIENT)
             raise
 
-    def _cancel(self, request_id: str, why: str) -> str:
+    def _cancel(self, tenant: Tenant, request_id: str, why: str) -> str:
         """Cancel in the background (the call is over, and its task may be cancelled too)."""
         detail = (
             f"sample request {request_id} was cancelled: {why}; send it again with a new seq_id"
         )
-        self.gateway.log.bus.spawn(self.gateway.cancel_sample(request_id, detail))
+        self.gateway.log.bus.spawn(self.gateway.cancel_sample(tenant, request_id, detail))
         return detail
 
     # -- catalog -------------------------------------------------------------------------------
 
-    async def ListTrainingRuns(self, request: svc.ListTrainingRunsRequest, context: Any) -> Message:
+    async def ListTrainingRuns(
+        self, request: svc.ListTrainingRunsRequest, context: Any, tenant: Tenant
+    ) -> Message:
         limit = request.limit if request.HasField("limit") else 20
         document = await self.rest.ask(
             "training_runs",
-            _owner(context),
+            tenant,
             limit=limit,
             offset=request.offset,
             access_scope="owned",
@@ -290,27 +340,36 @@ class GrpcFace:
         )
         return svc.CatalogDocument(json=document.decode())
 
-    async def ListCheckpoints(self, request: svc.ListCheckpointsRequest, context: Any) -> Message:
+    async def ListCheckpoints(
+        self, request: svc.ListCheckpointsRequest, context: Any, tenant: Tenant
+    ) -> Message:
         run = subjects.check_id("training run id", request.training_run_id)
         document = await self.rest.ask(
-            "checkpoints", _owner(context), training_run_id=run, access_scope="owned"
+            "checkpoints", tenant, training_run_id=run, access_scope="owned"
         )
         return svc.CatalogDocument(json=document.decode())
 
-    async def GetSession(self, request: svc.GetSessionRequest, context: Any) -> Message:
+    async def GetSession(
+        self, request: svc.GetSessionRequest, context: Any, tenant: Tenant
+    ) -> Message:
         session = subjects.check_id("session id", request.session_id)
-        document = await self.rest.ask("session", _owner(context), session_id=session)
+        document = await self.rest.ask("session", tenant, session_id=session)
         return svc.CatalogDocument(json=document.decode())
 
     # -- futures -------------------------------------------------------------------------------
 
-    async def _bytes(self, future: JsonDict, context: Any) -> bytes:
+    async def _perform(self, tenant: Tenant, op: Any, request: Any) -> ops.Future:
+        future = await self.gateway.perform(tenant, op, request)
+        assert isinstance(future, ops.Future)
+        return future
+
+    async def _bytes(self, tenant: Tenant, future: ops.Future, context: Any) -> bytes:
         """Wait for a future within the call's deadline (a cancelled call stops waiting)."""
-        body, _ = await self.gateway.result(future["request_id"], context.time_remaining())
+        body, _ = await self.gateway.result(tenant, future.request_id, context.time_remaining())
         return body
 
-    async def _json(self, future: JsonDict, context: Any) -> JsonDict:
-        result = json.loads(await self._bytes(future, context))
+    async def _json(self, tenant: Tenant, future: ops.Future, context: Any) -> JsonDict:
+        result = json.loads(await self._bytes(tenant, future, context))
         assert isinstance(result, dict)
         return result
 
@@ -383,10 +442,12 @@ def _expired(context: Any) -> bool:
     return remaining is not None and remaining <= 0
 
 
-def _owner(context: Any) -> str:
-    metadata = dict(context.invocation_metadata() or ())
-    key = metadata.get("x-api-key", "")
-    return owner_of_key(key if isinstance(key, str) else "")
+def _key(context: Any) -> str | None:
+    """The API key a call carries in its ``x-api-key`` metadata."""
+    for name, value in context.invocation_metadata() or ():
+        if name == "x-api-key" and isinstance(value, str):
+            return value
+    return None
 
 
 def _sampling_params(params: tp.SamplingParams) -> JsonDict:
@@ -403,7 +464,9 @@ def _sampling_params(params: tp.SamplingParams) -> JsonDict:
     return body
 
 
-def _method(fn: Method, name: str, gateway: Gateway) -> Method:
+def _method(
+    fn: Method, name: str, gateway: Gateway
+) -> Callable[[Any, Any], Awaitable[Message | None]]:
     """One RPC (``name``: ``/package.Service/Method``) as a server span under the trace context
     the client sent in its metadata, with the error tree mapped to status codes, as http.py maps
     it to statuses. A server-streaming RPC writes its messages itself (``context.write``) and
@@ -414,18 +477,25 @@ def _method(fn: Method, name: str, gateway: Gateway) -> Method:
         attributes = {"rpc.system": "grpc", "rpc.method": name}
         with telemetry.serve_call("grpc", name, metadata, attributes) as traced:
             try:
-                if isinstance(request, _Undecodable):
+                tenant: Tenant | None = None
+                try:
+                    tenant = await gateway.authenticate(_key(context))
+                except Unauthenticated as refused:
+                    response, code, detail = None, grpc.StatusCode.UNAUTHENTICATED, refused.detail
+                if tenant is None:
+                    pass
+                elif isinstance(request, _Undecodable):
                     response, code, detail = None, grpc.StatusCode.INVALID_ARGUMENT, request.detail
                 elif isinstance(request, _Oversized):
                     if request.run is not None:
-                        await gateway.spend_refused(request.error, *request.run)
+                        await gateway.spend_refused(tenant, request.error, *request.run)
                     response, code, detail = (
                         None,
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         request.error.detail,
                     )
                 else:
-                    response, code, detail = await _answer(fn, request, context)
+                    response, code, detail = await _answer(fn, request, context, tenant)
             except asyncio.CancelledError:  # the call ended under it: the client went away
                 expired = _expired(context)
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -449,12 +519,12 @@ def _status(traced: telemetry.Call, code: grpc.StatusCode, detail: str) -> None:
 
 
 async def _answer(
-    fn: Method, request: Any, context: Any
+    fn: Method, request: Any, context: Any, tenant: Tenant
 ) -> tuple[Message | None, grpc.StatusCode, str]:
     """Run ``fn``: its response (None when it failed, or streamed), the status code and its
     detail."""
     try:
-        return await fn(request, context), grpc.StatusCode.OK, ""
+        return await fn(request, context, tenant), grpc.StatusCode.OK, ""
     except _DeadlinePassed as passed:
         return None, grpc.StatusCode.DEADLINE_EXCEEDED, passed.detail
     except TinsmithError as error:

@@ -1,11 +1,14 @@
 """The Tinker HTTP API (what the official SDK speaks), on aiohttp.
 
-Owns: routes, request bodies in and responses out, the HTTP server itself, and the conversion
-of errors to HTTP (400/404/422 with ``{"detail": ...}``; never an empty 400, never 5xx for a
-permanent error). That includes what aiohttp answers by itself: a body over the bus's message
-size is a 413 that says the limit, and a request aiohttp cannot parse is answered in JSON too and
-logged as one line without the bytes it carried (they can hold an API key). Does not own: what
-the operations do (handlers.py).
+Owns: routes, request bodies in and responses out, the HTTP server itself, authentication (every
+call but the health check and the signed downloads carries an API key, which names its tenant:
+``authenticated``), and the conversion of errors to HTTP (400/401/403/404/422 with
+``{"detail": ...}``; never an empty 400, never 5xx for a permanent error). That includes what
+aiohttp answers by itself: a body over the bus's message size is a 413 that says the limit, and
+a request aiohttp cannot parse is answered in JSON too and logged as one line without the bytes
+it carried (they can hold an API key). Each route is a thin translator: its body read into the
+operation's typed request (wire.py), performed by the gateway (handlers.py), answered as Tinker
+JSON. Does not own: what the operations do (operations.py).
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 from tinsmith import telemetry
+from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
+from tinsmith.tenants import Tenant
 
+from . import operations as ops
+from . import wire
 from .handlers import Gateway
-from .rest import BodyTooLarge, Rest, owner_of, read_body, read_json
+from .rest import BodyTooLarge, Rest, read_body, read_json, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -76,71 +83,139 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         )
 
 
+@web.middleware
+async def authenticated(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every API call names its tenant with its key (``request["tenant"]``), or is refused
+    with 401, before its body is read. The exceptions carry no tenant's data: the health check,
+    and the signed downloads (bound to a tenant by their signature, and expiring)."""
+    route = request.match_info.route.resource
+    if route is None or route.canonical not in _KEYLESS:
+        gateway: Gateway = request.app[GATEWAY]
+        request["tenant"] = await gateway.authenticate(request.headers.get("X-API-Key"))
+    return await handler(request)
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+_KEYLESS = {API + "/healthz", API + "/blobs/{path}"}
+
+
 def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
-    app = web.Application(middlewares=[traced, errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[traced, errors, authenticated], client_max_size=MAX_BODY_BYTES
+    )
+    app[GATEWAY] = gateway
 
     def post(
-        path: str, fn: Callable[[dict[str, Any]], Awaitable[Any] | Any], *, run_op: bool = False
+        path: str,
+        answer: Callable[[Tenant, dict[str, Any]], Awaitable[Any]],
+        *,
+        run_op: bool = False,
     ) -> None:
         """A JSON route; ``run_op``: one of a run's requests, whose refusal for size spends its
-        seq_id (``Gateway.refuse_oversized``)."""
+        seq_id (``Gateway.spend_refused``)."""
 
         async def route(request: web.Request) -> web.StreamResponse:
+            tenant = tenant_of(request)
             try:
                 body = await read_json(request)
             except BodyTooLarge as error:
-                if run_op:
-                    await gateway.refuse_oversized(error, error.prefix, protobuf=False)
+                found = wire.json_ids(error.prefix) if run_op else None
+                if found is not None:
+                    await gateway.spend_refused(tenant, error, *found)
                 raise
-            result = fn(body)
-            if isinstance(result, Awaitable):
-                result = await result
-            return web.json_response(result)
+            return web.json_response(await answer(tenant, body))
 
         app.router.add_post(API + path, route)
 
-    post("/client/config", lambda _: gateway.client_config())
-    post("/client/dynamic_config", lambda _: {"refresh_interval_sec": 300})
-    post("/telemetry", lambda _: {"status": "accepted"})
-    post("/session_heartbeat", gateway.heartbeat)
-    post("/create_model", gateway.create_model)
-    post("/get_info", gateway.get_info)
-    post("/optim_step", gateway.optim_step, run_op=True)
-    post("/load_weights", gateway.load_weights, run_op=True)
-    post("/save_weights", lambda body: gateway.save_weights(body, for_sampler=False), run_op=True)
-    post(
-        "/save_weights_for_sampler",
-        lambda body: gateway.save_weights(body, for_sampler=True),
-        run_op=True,
-    )
-    post(
-        "/save_weights_external",
-        lambda body: gateway.save_weights(body, external=True),
-        run_op=True,
-    )
-    post("/create_sampling_session", gateway.create_sampling_session)
-    post("/asample", gateway.asample)
+    def operation(
+        op: Callable[..., ops.Decision[Any]],
+        read: Callable[[dict[str, Any]], Any],
+        respond: Callable[[Any], Any] = lambda answer: answer,
+    ) -> Callable[[Tenant, dict[str, Any]], Awaitable[Any]]:
+        """A route's answer: ``read`` the body into the operation's typed request, perform it,
+        and ``respond`` with its answer as Tinker JSON."""
 
-    async def create_session(request: web.Request) -> web.StreamResponse:
-        body = await read_json(request)
-        return web.json_response(await gateway.create_session(body, owner=owner_of(request)))
+        async def answer(tenant: Tenant, body: dict[str, Any]) -> Any:
+            return respond(await gateway.perform(tenant, op, read(body)))
+
+        return answer
+
+    async def static(answer: Any) -> Any:
+        return answer
+
+    async def heartbeat(tenant: Tenant, body: dict[str, Any]) -> Any:
+        await gateway.heartbeat(tenant, wire.session_ref(body))
+        return {"type": "session_heartbeat"}
+
+    async def load_weights(tenant: Tenant, body: dict[str, Any]) -> Any:
+        request = wire.load_weights(body)
+        op = ops.load_weights if isinstance(request, ops.LoadWeights) else ops.load_state
+        return future(await gateway.perform(tenant, op, request))
+
+    async def asample(tenant: Tenant, body: dict[str, Any]) -> Any:
+        accepted = await gateway.perform(tenant, ops.sample, wire.sample(body))
+        return {"request_id": accepted.request_id, "sample_sequence_ids": accepted.sequence_ids}
+
+    def save(
+        kind: bus.CheckpointKind,
+    ) -> Callable[[Tenant, dict[str, Any]], Awaitable[Any]]:
+        return operation(ops.save_weights, lambda body: wire.save_weights(body, kind), future)
+
+    post("/client/config", lambda _t, _b: static(gateway.client_config()))
+    post("/client/dynamic_config", lambda _t, _b: static({"refresh_interval_sec": 300}))
+    post("/telemetry", lambda _t, _b: static({"status": "accepted"}))
+    post("/session_heartbeat", heartbeat)
+    post(
+        "/create_session",
+        operation(
+            ops.create_session,
+            wire.create_session,
+            lambda session_id: {"type": "create_session", "session_id": session_id},
+        ),
+    )
+    post("/create_model", operation(ops.create_model, wire.create_model, future))
+    post("/get_info", operation(ops.get_info, wire.model_ref))
+    post("/optim_step", operation(ops.optim_step, wire.optim_step, future), run_op=True)
+    post("/load_weights", load_weights, run_op=True)
+    post("/save_weights", save(bus.CHECKPOINT_KIND_TRAINING), run_op=True)
+    post("/save_weights_for_sampler", save(bus.CHECKPOINT_KIND_SAMPLER), run_op=True)
+    post("/save_weights_external", save(bus.CHECKPOINT_KIND_EXTERNAL), run_op=True)
+    post(
+        "/create_sampling_session",
+        operation(
+            ops.create_sampler,
+            wire.create_sampler,
+            lambda sampler_id: {
+                "type": "create_sampling_session",
+                "sampling_session_id": sampler_id,
+            },
+        ),
+    )
+    post("/asample", asample)
 
     async def finish(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        return web.json_response(await gateway.finish_session(request.match_info["id"], body))
+        session = wire.finish_session(request.match_info["id"], body)
+        await gateway.perform(tenant_of(request), ops.finish_session, session)
+        return web.json_response({})
 
     async def forward_backward(request: web.Request) -> web.StreamResponse:
+        tenant = tenant_of(request)
         if request.headers.get("Content-Encoding", "").lower() not in ("", "identity"):
             raise InvalidRequest("compressed forward_backward bodies are not accepted")
         try:
             body = await read_body(request)
         except BodyTooLarge as error:
-            await gateway.refuse_oversized(error, error.prefix, protobuf=True)
+            found = wire.protobuf_ids(error.prefix)
+            if found is not None:
+                await gateway.spend_refused(tenant, error, *found)
             raise
-        return web.json_response(await gateway.forward_backward(body))
+        chunk = wire.forward_backward(body)
+        return web.json_response(future(await gateway.perform(tenant, ops.forward_backward, chunk)))
 
     async def retrieve_future(request: web.Request) -> web.StreamResponse:
-        result, media_type = await gateway.retrieve_future(await read_json(request))
+        ref = wire.request_ref(await read_json(request))
+        result, media_type = await gateway.retrieve_future(tenant_of(request), ref)
         if isinstance(result, bytes):
             return web.Response(body=result, content_type=media_type)
         # A future still pending after the long poll: 408 makes the SDK re-poll at once, like a
@@ -149,25 +224,34 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
         return web.json_response(result, status=status)
 
     async def get_sampler(request: web.Request) -> web.StreamResponse:
-        return web.json_response(gateway.get_sampler(request.match_info["id"]))
+        ref = ops.SamplerRef(request.match_info["id"])
+        return web.json_response(await gateway.perform(tenant_of(request), ops.get_sampler, ref))
 
     async def capabilities(_: web.Request) -> web.StreamResponse:
         return web.json_response(gateway.server_capabilities())
 
+    async def usage(request: web.Request) -> web.StreamResponse:
+        return web.json_response(gateway.usage(tenant_of(request)))
+
     async def healthz(_: web.Request) -> web.StreamResponse:
         return web.json_response({"status": "ok"})
 
-    app.router.add_post(API + "/create_session", create_session)
     app.router.add_post(API + "/sessions/{id}/finish", finish)
     app.router.add_post(API + "/forward_backward", forward_backward)
     app.router.add_post(API + "/retrieve_future", retrieve_future)
 
     app.router.add_get(API + "/samplers/{id}", get_sampler)
     app.router.add_get(API + "/get_server_capabilities", capabilities)
+    app.router.add_get(API + "/usage", usage)
     app.router.add_get(API + "/healthz", healthz)
     # Training runs, checkpoints, sessions, downloads: the REST catalog.
-    (rest or Rest(gateway.log.bus, None, gateway.config)).add_routes(app)
+    (rest or Rest(gateway, None)).add_routes(app)
     return app
+
+
+def future(accepted: ops.Future) -> dict[str, str]:
+    """A run's request as the SDK expects its acceptance: the future to poll."""
+    return {"request_id": accepted.request_id, "model_id": accepted.aggregate_id}
 
 
 class _Protocol(web.RequestHandler):

@@ -2,16 +2,14 @@
 line call): training runs, checkpoints, sessions, storage usage, and the downloads of signed
 URLs for stores that cannot presign their own (file://).
 
-Owns: the routes and their parameters, the caller's identity (a digest of its API key, never the
-key), and relaying each call to the checkpoint service's catalog over NATS. Does not own the
-answers: the catalog (services/checkpoint) builds the JSON; the gateway holds no state of its
-own, so it forwards.
+Owns: the routes and their parameters, and relaying each call to the checkpoint service's
+catalog over NATS as the calling tenant asks it. Does not own the answers: the catalog
+(services/checkpoint) builds the JSON and decides what each tenant may see.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import re
 from typing import Any
@@ -21,12 +19,14 @@ from aiohttp import web
 from tinsmith import artifacts, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
-from tinsmith.bus import MAX_BODY_BYTES, Bus
+from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import InvalidRequest, NotFound, TooLarge, from_kind
 from tinsmith.limits import INT32_MAX, INT64_MAX
+from tinsmith.tenants import Tenant
 
 from . import wire
 from .config import GatewayConfig
+from .handlers import Gateway
 
 API = "/api/v1"
 _CHECKPOINT = API + "/training_runs/{run}/checkpoints/{segment}/{name}"
@@ -37,22 +37,19 @@ _HOST = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{{1
 _EVERY_INTERFACE = ("", "0.0.0.0", "::")
 
 
-def owner_of(request: web.Request) -> str:
-    """Who is calling: a digest of the API key, so that the catalog never stores a key."""
-    return owner_of_key(request.headers.get("X-API-Key", ""))
-
-
-def owner_of_key(key: str) -> str:
-    if not key:
-        return ""
-    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+def tenant_of(request: web.Request) -> Tenant:
+    """Who is calling, as the authentication middleware (http.py) found it."""
+    tenant = request["tenant"]
+    assert isinstance(tenant, Tenant)
+    return tenant
 
 
 class Rest:
-    def __init__(self, bus_: Bus, blobs: BlobStore | None, config: GatewayConfig) -> None:
-        self.bus = bus_
+    def __init__(self, gateway: Gateway, blobs: BlobStore | None) -> None:
+        self.gateway = gateway
+        self.bus = gateway.log.bus
         self.blobs = blobs
-        self.config = config
+        self.config = gateway.config
 
     def add_routes(self, app: web.Application) -> None:
         get, add = app.router.add_get, app.router.add_route
@@ -71,10 +68,10 @@ class Rest:
         get(API + "/billing/usage/checkpoints/current", self.storage_usage)
         get(API + "/blobs/{path:.+}", self.download)
 
-    async def ask(self, op: str, owner: str, **fields: Any) -> bytes:
-        """Relay one operation to the catalog (for HTTP and gRPC alike): its JSON, or its error
-        raised."""
-        query = bus.CatalogQuery(owner=owner, **fields)
+    async def ask(self, op: str, tenant: Tenant, **fields: Any) -> bytes:
+        """Relay one operation to the catalog (for HTTP and gRPC alike) as ``tenant`` asks it:
+        its JSON, or its error raised."""
+        query = bus.CatalogQuery(owner=tenant.name, admin=tenant.admin, **fields)
         reply = bus.CatalogReply.FromString(
             await self.bus.request(subjects.catalog_subject(op), query.SerializeToString())
         )
@@ -84,7 +81,7 @@ class Rest:
 
     async def _ask(self, op: str, request: web.Request, **fields: Any) -> web.Response:
         """Relay one operation to the catalog; its JSON is the answer, its error the status."""
-        body = await self.ask(op, owner_of(request), **fields)
+        body = await self.ask(op, tenant_of(request), **fields)
         return web.Response(body=body, content_type="application/json")
 
     # -- training runs and checkpoints ---------------------------------------------------------
@@ -186,14 +183,19 @@ class Rest:
     # -- downloads -----------------------------------------------------------------------------
 
     async def download(self, request: web.Request) -> web.StreamResponse:
-        """One file of a checkpoint, for a URL the catalog signed (stores that cannot presign)."""
+        """One file of a checkpoint, for a URL the catalog signed (stores that cannot presign):
+        key-less, but bound by its signature to the tenant it was signed for, who must still be
+        allowed to read the checkpoint (its own, or published), and expiring."""
         if self.blobs is None:
             raise NotFound("this gateway serves no downloads: it has no TINSMITH_BLOB_URL")
-        store_path = self.blobs.verify(
+        signed = self.blobs.verify(
             request.match_info["path"],
-            request.query.get("expires", ""),
-            request.query.get("signature", ""),
+            expires=request.query.get("expires", ""),
+            signature=request.query.get("signature", ""),
+            tenant=request.query.get("tenant", ""),
         )
+        await self.gateway.check_download(signed.tenant, signed.key)
+        store_path = signed.store_path
         blobs = self.blobs
         if blobs.local:
             if not await asyncio.to_thread(blobs.fs.isfile, store_path):

@@ -1,18 +1,17 @@
-"""The JSON shapes of Tinker requests, read into bus messages with clear errors.
+"""The JSON shapes of Tinker requests, read into the operations' typed requests with clear
+errors: the HTTP face's translator.
 
 Owns: reading fields out of the SDK's JSON bodies (ignoring unknown fields, since newer SDKs add
 some), and saying precisely which field was wrong and what is accepted. Does not own: what the
-operation does with them (handlers.py).
+operation does with them (operations.py), or checks that need the state (a token id against the
+model's vocabulary: the operation knows the model).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
 from typing import Any
-
-import numpy as np
 
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -21,10 +20,14 @@ from tinsmith.limits import (
     INT32_MAX,
     INT64_MAX,
     MAX_METADATA_ENTRIES,
+    MAX_NUM_SAMPLES,
     MAX_TOPK_LOGPROBS,
+    TTL_MAX_S,
     UINT64_MAX,
 )
-from tinsmith.tensors import sparse_cells, tensor_proto_from_json
+from tinsmith.tensors import tensor_proto_from_json
+
+from . import operations as ops
 
 # What a sample without max_tokens gets.
 DEFAULT_MAX_TOKENS = 256
@@ -141,38 +144,17 @@ def str_map(body: dict[str, Any], name: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in value.items()}
 
 
-def check_metadata(limit: int, *parts: str | Iterable[str] | dict[str, str]) -> None:
-    """Refuse a call whose tags, user_metadata and other free text take more than ``limit``
-    bytes together: they are kept in the log and in memory for good."""
-    total = 0
-    for part in parts:
-        if isinstance(part, str):
-            total += len(part.encode())
-        elif isinstance(part, dict):
-            total += sum(len(k.encode()) + len(v.encode()) for k, v in part.items())
-        else:
-            total += sum(len(item.encode()) for item in part)
-    if total > limit:
-        raise InvalidRequest(
-            f"the call's tags, user_metadata and names take {total} bytes; at most {limit} are "
-            "accepted (TINSMITH_MAX_METADATA_BYTES)"
-        )
-
-
 def _short(value: object) -> str:
     digits = str(value)
     return digits if len(digits) <= 40 else f"{digits[:20]}...({len(digits)} digits)"
 
 
-def lora_config(value: Any, max_rank: int) -> bus.LoraConfig:
+def lora_config(value: Any) -> bus.LoraConfig:
+    """A LoRA config (its rank bounded by what the field holds; the operation checks it against
+    the server's maximum)."""
     if not isinstance(value, dict):
         raise InvalidRequest("field 'lora_config' is required: {rank, train_mlp, train_attn, ...}")
-    rank = req_int(value, "rank", minimum=1, default=32)
-    if rank > max_rank:
-        raise InvalidRequest(
-            f"LoRA rank {_short(rank)} is above this server's maximum of {max_rank} "
-            "(TINSMITH_MAX_LORA_RANK)"
-        )
+    rank = req_int(value, "rank", minimum=1, maximum=INT32_MAX, default=32)
     config = bus.LoraConfig(
         rank=rank,
         train_mlp=bool(value.get("train_mlp", True)),
@@ -181,8 +163,6 @@ def lora_config(value: Any, max_rank: int) -> bus.LoraConfig:
     )
     if value.get("seed") is not None:
         config.seed = req_int(value, "seed", minimum=0, maximum=UINT64_MAX)
-    if not (config.train_mlp or config.train_attn or config.train_unembed):
-        raise InvalidRequest("lora_config must train at least one of mlp, attn and unembed")
     return config
 
 
@@ -224,11 +204,24 @@ def model_input(value: Any) -> list[int]:
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise InvalidRequest(f"prompt chunk {i} 'tokens' must be a list of integers")
+        token_ids(ids, f"prompt chunk {i} tokens")
         tokens.extend(ids)
     return tokens
 
 
-def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
+def token_ids(ids: list[int], what: str) -> list[int]:
+    """Token ids as the wire holds them (int32, non-negative); the operation checks them
+    against the model's vocabulary."""
+    bad = next((t for t in ids if not 0 <= t <= INT32_MAX), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"{what} contains token id {_short(bad)}, outside the vocabulary: ids are in "
+            "[0, vocab_size)"
+        )
+    return ids
+
+
+def sampling_params(value: Any) -> tp.SamplingParams:
     value = value or {}
     if not isinstance(value, dict):
         raise InvalidRequest("field 'sampling_params' must be an object")
@@ -262,56 +255,22 @@ def sampling_params(value: Any, vocab_size: int) -> tp.SamplingParams:
     elif isinstance(stop, list) and all(
         isinstance(s, int) and not isinstance(s, bool) for s in stop
     ):
-        check_vocab(stop, vocab_size, "stop token ids")
-        params.stop_tokens.values.extend(stop)
+        params.stop_tokens.values.extend(token_ids(stop, "stop token ids"))
         params.stop_tokens.SetInParent()  # [] means: no stop at all, not even end-of-sequence
     else:
         raise InvalidRequest("stop must be a string, a list of strings, or a list of token ids")
     return params
 
 
-def check_vocab(tokens: list[int] | np.ndarray, vocab_size: int, what: str) -> None:
-    """Refuse token ids outside ``[0, vocab_size)`` (Python integers of any size too)."""
-    if not len(tokens):
-        return
-    if isinstance(tokens, np.ndarray):
-        low, high = int(tokens.min()), int(tokens.max())
-    else:
-        low, high = min(tokens), max(tokens)
-    if low < 0 or high >= vocab_size:
-        bad = int(low) if low < 0 else int(high)
-        raise InvalidRequest(
-            f"{what} contains token id {_short(bad)}, outside the vocabulary: ids must be in "
-            f"[0, {vocab_size})"
-        )
-
-
-def target_prompt_logprobs(value: Any, prompt_length: int, vocab_size: int) -> tp.Tensor:
-    """The token ids to score at each prompt position: int64 ``[len(prompt) - 1, K]``, dense or
-    CSR, ``-1`` for cells that ask for nothing, and at most ``MAX_TOPK_LOGPROBS`` distinct ids
-    (the cost is ``len(prompt)`` times that, bounded like a top-k width)."""
+def target_prompt_logprobs(value: Any) -> tp.Tensor:
+    """The token ids to score at each prompt position, as an int64 tensor (the operation checks
+    its shape against the prompt, and its ids against the vocabulary)."""
     what = "target_prompt_logprobs"
     if not isinstance(value, dict):
         raise InvalidRequest(f"{what} must be a TensorData object")
     tensor = tensor_proto_from_json(value, what)
     if tensor.dtype != tp.DTYPE_INT64:
         raise InvalidRequest(f"{what} must be an int64 tensor of token ids")
-    shape = list(tensor.shape)
-    if len(shape) != 2 or shape[0] != prompt_length - 1 or shape[1] < 1:
-        raise InvalidRequest(
-            f"{what} must have shape [len(prompt) - 1, K] = [{prompt_length - 1}, K >= 1], "
-            f"got {shape}"
-        )
-    _, _, ids = sparse_cells(tensor, what)
-    named = ids[ids != -1]
-    if not len(named):
-        raise InvalidRequest(f"{what} names no token id (every cell is -1)")
-    check_vocab(named, vocab_size, what)
-    distinct = len(np.unique(named))
-    if distinct > MAX_TOPK_LOGPROBS:
-        raise InvalidRequest(
-            f"{what} names {distinct} distinct token ids; at most {MAX_TOPK_LOGPROBS} are accepted"
-        )
     return tensor
 
 
@@ -372,3 +331,154 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
         if shift > 63:
             raise IndexError("varint too long")
+
+
+# -- Tinker JSON bodies as the operations' typed requests --------------------------------------
+
+
+def create_session(body: dict[str, Any]) -> ops.CreateSession:
+    return ops.CreateSession(
+        tags=tuple(str_list(body, "tags")),
+        user_metadata=str_map(body, "user_metadata"),
+        project_id=text(body, "project_id"),
+        display_name=opt_str(body, "display_name") or "",
+        sdk_version=opt_str(body, "sdk_version") or "",
+    )
+
+
+def session_ref(body: dict[str, Any]) -> ops.SessionRef:
+    return ops.SessionRef(req_str(body, "session_id"))
+
+
+def finish_session(session_id: str, body: dict[str, Any]) -> ops.SessionRef:
+    reason = body.get("reason") or {}
+    if not isinstance(reason, dict) or not isinstance(reason.get("type", ""), str):
+        raise InvalidRequest("field 'reason' must be an object like {'type': 'success'}")
+    return ops.SessionRef(session_id, reason.get("type", ""), opt_str(body, "detail") or "")
+
+
+def create_model(body: dict[str, Any]) -> ops.CreateModel:
+    optimizer = body.get("optimizer_config") or {"type": "adamw"}
+    family = optimizer.get("type", "adamw") if isinstance(optimizer, dict) else None
+    return ops.CreateModel(
+        session_id=req_str(body, "session_id"),
+        model_seq_id=req_int(body, "model_seq_id", minimum=0, maximum=INT32_MAX),
+        base_model=req_str(body, "base_model"),
+        lora=lora_config(body.get("lora_config")),
+        optimizer=family if isinstance(family, str) else repr(family),
+        user_metadata=str_map(body, "user_metadata"),
+    )
+
+
+def load_weights(body: dict[str, Any]) -> ops.LoadState | ops.LoadWeights:
+    """Two forms: create a run from a checkpoint (``session_id`` + ``model_seq_id``, sent by
+    ``create_training_client_from_state*``), or load one into a run (``model_id`` + ``seq_id``,
+    sent by the deprecated ``TrainingClient.load_state*``)."""
+    path = req_str(body, "path")
+    with_optimizer = bool(body.get("optimizer", False))
+    if body.get("model_id"):
+        return ops.LoadWeights(
+            model_id=req_str(body, "model_id"),
+            seq_id=req_int(body, "seq_id", minimum=1, maximum=INT32_MAX),
+            path=path,
+            with_optimizer=with_optimizer,
+        )
+    return ops.LoadState(
+        session_id=req_str(body, "session_id"),
+        model_seq_id=req_int(body, "model_seq_id", minimum=0, maximum=INT32_MAX),
+        path=path,
+        with_optimizer=with_optimizer,
+        base_model=opt_str(body, "base_model") or "",
+        user_metadata=str_map(body, "user_metadata"),
+    )
+
+
+def model_ref(body: dict[str, Any]) -> ops.ModelRef:
+    return ops.ModelRef(req_str(body, "model_id"))
+
+
+def forward_backward(payload: bytes) -> ops.ForwardBackward:
+    request = tp.ForwardBackwardRequest()
+    try:
+        request.ParseFromString(payload)
+    except Exception as exc:
+        raise InvalidRequest(
+            "the body is not a valid tinker ForwardBackwardRequest protobuf message"
+        ) from exc
+    return ops.ForwardBackward(request)
+
+
+def optim_step(body: dict[str, Any]) -> ops.OptimStep:
+    return ops.OptimStep(
+        model_id=req_str(body, "model_id"),
+        seq_id=req_int(body, "seq_id", minimum=1, maximum=INT32_MAX),
+        adam=adam_params(body.get("adam_params")),
+    )
+
+
+def save_weights(body: dict[str, Any], kind: bus.CheckpointKind) -> ops.SaveWeights:
+    ttl = body.get("ttl_seconds")
+    counter = body.get("sampling_session_seq_id")
+    return ops.SaveWeights(
+        model_id=req_str(body, "model_id"),
+        seq_id=req_int(body, "seq_id", minimum=1, maximum=INT32_MAX),
+        kind=kind,
+        name=opt_str(body, "path") or "",
+        overwrite=bool(body.get("overwrite", False)),
+        ttl_seconds=None
+        if ttl is None
+        else req_int(body, "ttl_seconds", minimum=1, maximum=TTL_MAX_S),
+        sampling_session_seq_id=None
+        if counter is None
+        else req_int(body, "sampling_session_seq_id", minimum=0, maximum=INT32_MAX),
+        user_metadata=str_map(body, "user_metadata"),
+        encrypted=bool(body.get("age_encryption_recipients")),
+    )
+
+
+def create_sampler(body: dict[str, Any]) -> ops.CreateSampler:
+    return ops.CreateSampler(
+        session_id=req_str(body, "session_id"),
+        sampling_session_seq_id=req_int(
+            body, "sampling_session_seq_id", minimum=0, maximum=INT32_MAX
+        ),
+        base_model=opt_str(body, "base_model") or "",
+        model_path=opt_str(body, "model_path") or "",
+    )
+
+
+def sample(body: dict[str, Any], *, stream: bool = False) -> ops.Sample:
+    sampler_id = req_str(body, "sampling_session_id")
+    seq_id = req_int(body, "seq_id", minimum=0, maximum=INT64_MAX)
+    command = bus.Sample(
+        prompt=model_input(body.get("prompt")),
+        params=sampling_params(body.get("sampling_params")),
+        num_samples=req_int(body, "num_samples", minimum=1, default=1, maximum=MAX_NUM_SAMPLES),
+        prompt_logprobs=bool(body.get("prompt_logprobs", False)),
+        topk_prompt_logprobs=req_int(
+            body, "topk_prompt_logprobs", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
+        ),
+        topk_sample_logprobs=req_int(
+            body, "topk_sample_logprobs", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
+        ),
+        prompt_alt_tokens_k=req_int(
+            body, "prompt_alt_tokens_k", minimum=0, maximum=MAX_TOPK_LOGPROBS, default=0
+        ),
+    )
+    targets = body.get("target_prompt_logprobs")
+    if targets is not None:
+        command.target_prompt_logprobs.CopyFrom(target_prompt_logprobs(targets))
+    if body.get("prompt_logprobs_last_n") is not None:
+        command.prompt_logprobs_last_n = req_int(
+            body, "prompt_logprobs_last_n", minimum=0, maximum=INT32_MAX
+        )
+    return ops.Sample(
+        sampler_id=sampler_id,
+        seq_id=seq_id,
+        command=command,
+        stream=stream,
+    )
+
+
+def request_ref(body: dict[str, Any]) -> ops.RequestRef:
+    return ops.RequestRef(req_str(body, "request_id"))

@@ -79,6 +79,7 @@ class Ctx:
     blob_path: str  # a signed download URL below /api/v1: its path, expires and signature
     blob_expires: str
     blob_signature: str
+    blob_tenant: str  # the tenant the URL was signed for
     new_session: Callable[[], str]  # a session of its own, for the cases that finish one
     next_seq: int = 1
     next_model_seq: int = 1
@@ -928,32 +929,49 @@ HTTP_CASES: list[Http] = [
     ),
     get(
         "download: a non-ASCII signature",
-        "{blob_path}?expires={blob_expires}&signature=%C3%A9",
+        "{blob_path}?tenant={blob_tenant}&expires={blob_expires}&signature=%C3%A9",
         "signature",
         (400, 403),
     ),
-    get("download: no signature", "{blob_path}?expires={blob_expires}", "signature", (400, 403)),
+    get(
+        "download: no signature",
+        "{blob_path}?tenant={blob_tenant}&expires={blob_expires}",
+        "signature",
+        (400, 403),
+    ),
     get(
         "download: expires not a number",
-        "{blob_path}?expires=soon&signature={blob_signature}",
+        "{blob_path}?tenant={blob_tenant}&expires=soon&signature={blob_signature}",
         "expires",
         (400, 403),
     ),
     get(
         "download: expired",
-        "{blob_path}?expires=1&signature={blob_signature}",
+        "{blob_path}?tenant={blob_tenant}&expires=1&signature={blob_signature}",
         "expired",
         (400, 403),
     ),
     get(
         "download: expires beyond int64",
-        "{blob_path}?expires=" + "9" * 40 + "&signature={blob_signature}",
+        "{blob_path}?tenant={blob_tenant}&expires=" + "9" * 40 + "&signature={blob_signature}",
         "signature|expires",
         (400, 403),
     ),
     get(
+        "download: no tenant",
+        "{blob_path}?expires={blob_expires}&signature={blob_signature}",
+        "tenant",
+        (400, 403),
+    ),
+    get(
+        "download: signed for another tenant",
+        "{blob_path}?tenant=someone-else&expires={blob_expires}&signature={blob_signature}",
+        "signature",
+        (400, 403),
+    ),
+    get(
         "download: a forged signature",
-        "{blob_path}?expires={blob_expires}&signature=" + "0" * 64,
+        "{blob_path}?tenant={blob_tenant}&expires={blob_expires}&signature=" + "0" * 64,
         "signature",
         (400, 403),
     ),

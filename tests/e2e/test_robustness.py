@@ -151,6 +151,7 @@ def ctx(robust: RunningSystem, http: httpx.Client) -> Iterator[Ctx]:
         blob_path=path.removeprefix(API),
         blob_expires=url.params["expires"],
         blob_signature=url.params["signature"],
+        blob_tenant=url.params["tenant"],
         new_session=new_session,
     )
     service.close("success").result(timeout=30)
@@ -267,7 +268,7 @@ VALID_GETS = [
     "/samplers/{sampler_id}",
     "/get_server_capabilities",
     "/healthz",
-    "{blob_path}?expires={blob_expires}&signature={blob_signature}",
+    "{blob_path}?tenant={blob_tenant}&expires={blob_expires}&signature={blob_signature}",
 ]
 
 
