@@ -31,7 +31,7 @@ from tests.deploy.manifests import (
     variables_read,
     workloads,
 )
-from tinsmith import health, runtime
+from tinsmith import health, runtime, tenants
 
 # TINSMITH_* variables the code reads that have no place in a cluster's configuration, each with
 # the reason. (None today: `tinsmith up` sets its per-machine values itself, in the environment of
@@ -150,6 +150,43 @@ def test_the_configuration_keys_are_exactly_the_variables_the_code_reads(overlay
     unknown = (ours | from_secrets) - code - AHEAD_OF_CODE.keys()
     assert not missing, f"read by the code, missing from base/tinsmith.env: {sorted(missing)}"
     assert not unknown, f"configured, but no code reads them: {sorted(unknown)}"
+
+
+# What each overlay's comment tells the operator to run for its first admin key.
+FIRST_ADMIN_KEY = (
+    "kubectl -n {namespace} exec deploy/{gateway} -- tinsmith keys create --tenant admin --admin"
+)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_takes_only_issued_keys_and_says_how_to_create_the_first(
+    overlay: str,
+) -> None:
+    """TINSMITH_AUTH=keys is rendered, and set by the overlay itself (not only inherited from the
+    base's default); the overlay's comment names the namespace and Deployment the gateway really
+    renders to."""
+    objects = _objects(overlay)
+    assert config_map(objects)["data"][tenants.MODE_VARIABLE] == tenants.KEYS
+    path = KUSTOMIZE / "overlays" / overlay / "kustomization.yaml"
+    literals = [
+        literal
+        for generator in yaml.safe_load(path.read_text())["configMapGenerator"]
+        if generator["name"] == "tinsmith-config"
+        for literal in generator.get("literals", [])
+    ]
+    assert f"{tenants.MODE_VARIABLE}={tenants.KEYS}" in literals
+    gateway = one(objects, "Deployment", "gateway")
+    command = FIRST_ADMIN_KEY.format(
+        namespace=gateway["metadata"]["namespace"], gateway=gateway["metadata"]["name"]
+    )
+    assert command in path.read_text(), f"{path}: the first admin key's command"
+
+
+def test_the_base_quotas_are_the_codes_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """base/tinsmith.env writes out tenants.Quotas' defaults (the README and docs quote them)."""
+    for name in tenants.VARIABLES.values():
+        monkeypatch.setenv(name, config_map(render("base"))["data"][name])
+    assert tenants.Quotas.from_env() == tenants.Quotas()
 
 
 def test_the_per_machine_allow_list_names_variables_the_code_reads() -> None:
@@ -282,6 +319,7 @@ def test_each_service_reads_its_configuration_from_the_overlay(
     assert runtime.base_models()
     gateway = GatewayConfig.from_env()
     assert (gateway.host, gateway.port) == ("0.0.0.0", 8000)
+    assert gateway.auth == tenants.KEYS
     assert TrainerConfig.from_env().cache_dir == Path("/var/cache/tinsmith")
     sampler = SamplerConfig.from_env()
     assert sampler.engine == ("vllm" if overlay == "prod" else "torch")
