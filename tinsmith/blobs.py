@@ -9,6 +9,13 @@ deleting them, and download URLs for their files: presigned by the store itself 
 An artifact is written file by file and then sealed with a marker written last, so a reader never
 sees half an artifact. Keys are validated before they touch storage: relative, no empty, '.' or
 '..' component.
+
+A signed download URL is bound to the tenant it was made for: its path and query are
+``<key>/<file>?expires=<unix seconds>&tenant=<tenant>&signature=<hex>``, and the signature (an
+HMAC-SHA256 with the store's signing key) covers the path, the expiry and the tenant, so none of
+them can be changed. ``verify`` answers the store path and the tenant (``SignedDownload``); whether
+that tenant may still read the checkpoint is the caller's to check. Presigned URLs (s3://, gs://)
+are the store's own and carry no tenant.
 """
 
 from __future__ import annotations
@@ -35,9 +42,22 @@ from tinsmith import telemetry
 from tinsmith.failures import InvalidRequest
 
 _SEALED = ".complete"
+# Prefixes the signed message: a URL signed before URLs carried a tenant never verifies.
+_SIGNED = "tinsmith-download-v2"
 _SIGNING_KEY = ".tinsmith/url-signing-key"
 _PRESIGNING = ("s3", "s3a", "gs", "gcs")
 _CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SignedDownload:
+    """What a valid signed download URL names: the file in the store, and the tenant it was
+    signed for."""
+
+    store_path: str  # the file, under the store's root (read it with read_chunks)
+    key: str  # the artifact's key (the checkpoint's blob key)
+    name: str  # the file's name in the artifact
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -209,20 +229,29 @@ class BlobStore:
         with self.fs.open(path, "rb") as key:
             return bytes(key.read())
 
-    def _signature(self, path: str, expires: int) -> str:
-        message = f"{path}\n{expires}".encode()
+    def _signature(self, path: str, expires: int, tenant: str) -> str:
+        # No part can hold a newline (a key and a tenant are printable), so the message is
+        # unambiguous.
+        message = f"{_SIGNED}\n{path}\n{expires}\n{tenant}".encode()
         return hmac.new(self._signing_key(), message, hashlib.sha256).hexdigest()
 
-    def signed_query(self, key: str, name: str, expires: int) -> str:
-        """The path and query of a gateway download URL for one file: ``<key>/<name>?...``."""
+    def signed_query(self, key: str, name: str, *, expires: int, tenant: str) -> str:
+        """The path and query of a gateway download URL for one file, bound to ``tenant``:
+        ``<key>/<name>?expires=<expires>&tenant=<tenant>&signature=<hex>``."""
         path = f"{check_key(key)}/{check_key(name)}"
-        query = urlencode({"expires": expires, "signature": self._signature(path, expires)})
+        signature = self._signature(path, expires, _check_tenant(tenant))
+        query = urlencode({"expires": expires, "tenant": tenant, "signature": signature})
         return f"{quote(path)}?{query}"
 
-    def verify(self, path: str, expires: str, signature: str) -> str:
-        """Check a gateway download URL; return the store path of its file. Raises InvalidRequest
-        when the signature is wrong or has expired."""
+    def verify(self, path: str, *, expires: str, signature: str, tenant: str) -> SignedDownload:
+        """Check a gateway download URL (its path after ``/api/v1/blobs/``, and its ``expires``,
+        ``signature`` and ``tenant`` parameters); return its file and the tenant it was signed
+        for. Raises InvalidRequest when a part is malformed, the signature is wrong (any part
+        changed) or the URL has expired."""
         check_key(path)
+        if "/" not in path:
+            raise InvalidRequest("the download URL names no file of an artifact")
+        _check_tenant(tenant)
         try:
             deadline = int(expires)
         except ValueError:
@@ -231,10 +260,11 @@ class BlobStore:
             raise InvalidRequest(
                 "the download URL has expired; ask for new ones with get_external_weights_urls"
             )
-        expected = self._signature(path, deadline).encode()
+        expected = self._signature(path, deadline, tenant).encode()
         if not hmac.compare_digest(expected, signature.encode("utf-8", "replace")):
             raise InvalidRequest("the download URL's signature is not valid")
-        return f"{self.root}/{path}"
+        key, name = path.rsplit("/", 1)
+        return SignedDownload(store_path=f"{self.root}/{path}", key=key, name=name, tenant=tenant)
 
     def read_chunks(self, store_path: str) -> Iterator[bytes]:
         """The bytes of one file, in chunks (blocking: run it off the event loop)."""
@@ -244,6 +274,21 @@ class BlobStore:
 
     def size(self, store_path: str) -> int:
         return int(self.fs.size(store_path))
+
+
+def _check_tenant(tenant: str) -> str:
+    """A tenant a URL can be bound to: a name of printable characters without spaces."""
+    if (
+        not isinstance(tenant, str)
+        or not 0 < len(tenant) <= 200
+        or not tenant.isprintable()
+        or any(c.isspace() for c in tenant)
+    ):
+        raise InvalidRequest(
+            f"the download URL's tenant {tenant!r:.100} is not accepted: a URL is signed for one "
+            "tenant, named by printable characters without spaces"
+        )
+    return tenant
 
 
 def _modified(info: dict[str, Any]) -> float:

@@ -5,6 +5,13 @@ Owns: the tables (SQLAlchemy 2 models), opening a database by URL (``sqlite+aios
 ``postgresql+asyncpg://``), folding one event into the tables (``apply``), and the queries the
 REST API needs. Does not own: following the log (services/checkpoint) or deciding anything: every
 row is a pure consequence of the events, so the tables can be dropped and rebuilt at any time.
+
+Tenancy in the queries: every session, run and checkpoint row carries its tenant (``owner``, the
+session's ``SessionCreated.owner``). No row belongs to everyone: a query for the empty owner (a
+caller that is no tenant) matches nothing, and rows whose owner is empty (folded from logs older
+than tenants) match no tenant; only the every-tenant usage (``storage_usage`` with no owner, for
+admins) still counts them. A published checkpoint is readable by every tenant, but only when its
+run has a tenant: publishing a row that was everyone's proved nothing about who meant it.
 """
 
 from __future__ import annotations
@@ -14,7 +21,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, ColumnElement, Float, String, and_, func, or_, select
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    ColumnElement,
+    Float,
+    String,
+    and_,
+    false,
+    func,
+    or_,
+    select,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from sqlalchemy.ext.asyncio import create_async_engine as _create_engine
@@ -349,8 +367,17 @@ async def _reference(
 
 
 def visible_to(owner: str, column: Any) -> ColumnElement[bool]:
-    """Rows owned by ``owner``; rows from before owners were recorded belong to everyone."""
-    return or_(column == owner, column == "")
+    """Rows owned by the tenant ``owner``. The empty owner is no tenant and owns nothing, so rows
+    with an empty owner (from before tenants) are nobody's."""
+    if not owner:
+        return false()
+    owned: ColumnElement[bool] = column == owner
+    return owned
+
+
+def _published() -> ColumnElement[bool]:
+    """Checkpoints every tenant may read: published, by a run that has a tenant."""
+    return and_(CheckpointRow.public.is_(True), CheckpointRow.owner != "")
 
 
 async def runs(
@@ -362,13 +389,15 @@ async def runs(
     limit: int,
     offset: int,
 ) -> tuple[Sequence[RunRow], int]:
-    """Training runs, newest first, and how many there are in all."""
+    """Training runs, newest first, and how many there are in all: the tenant's own and, when
+    ``accessible``, other tenants' runs with a published checkpoint. A project filter is the
+    tenant's own: another tenant's projects are private, so it matches the tenant's runs alone."""
     condition = visible_to(owner, RunRow.owner)
-    if accessible:
-        published = select(CheckpointRow.model_id).where(CheckpointRow.public.is_(True))
-        condition = or_(condition, RunRow.model_id.in_(published))
     if project_id:
         condition = and_(condition, RunRow.project_id == project_id)
+    elif accessible and owner:
+        published = select(CheckpointRow.model_id).where(_published())
+        condition = or_(condition, RunRow.model_id.in_(published))
     total = await session.scalar(select(func.count()).select_from(RunRow).where(condition))
     rows = await session.scalars(
         select(RunRow).where(condition).order_by(RunRow.seq.desc()).limit(limit).offset(offset)
@@ -377,32 +406,45 @@ async def runs(
 
 
 async def has_public_checkpoint(session: AsyncSession, model_id: str) -> bool:
+    """Whether the run has a checkpoint every tenant may read."""
     found = await session.scalar(
         select(func.count())
         .select_from(CheckpointRow)
-        .where(CheckpointRow.model_id == model_id, CheckpointRow.public.is_(True))
+        .where(CheckpointRow.model_id == model_id, _published())
     )
     return bool(found)
 
 
-async def checkpoints_of(session: AsyncSession, model_id: str) -> Sequence[CheckpointRow]:
-    """A run's checkpoints, newest first."""
+async def checkpoints_of(
+    session: AsyncSession, model_id: str, *, published_only: bool = False
+) -> Sequence[CheckpointRow]:
+    """A run's checkpoints (only those every tenant may read, with ``published_only``), newest
+    first."""
+    condition = CheckpointRow.model_id == model_id
+    if published_only:
+        condition = and_(condition, _published())
     rows = await session.scalars(
-        select(CheckpointRow)
-        .where(CheckpointRow.model_id == model_id)
-        .order_by(CheckpointRow.seq.desc())
+        select(CheckpointRow).where(condition).order_by(CheckpointRow.seq.desc())
     )
     return rows.all()
 
 
 async def latest_checkpoint(
-    session: AsyncSession, model_id: str, checkpoint_type: str
+    session: AsyncSession,
+    model_id: str,
+    checkpoint_type: str | None,
+    *,
+    published_only: bool = False,
 ) -> CheckpointRow | None:
+    """A run's newest checkpoint of a type (of any type for None); with ``published_only``, the
+    newest that every tenant may read."""
+    condition = CheckpointRow.model_id == model_id
+    if checkpoint_type is not None:
+        condition = and_(condition, CheckpointRow.checkpoint_type == checkpoint_type)
+    if published_only:
+        condition = and_(condition, _published())
     row = await session.scalar(
-        select(CheckpointRow)
-        .where(CheckpointRow.model_id == model_id, CheckpointRow.checkpoint_type == checkpoint_type)
-        .order_by(CheckpointRow.seq.desc())
-        .limit(1)
+        select(CheckpointRow).where(condition).order_by(CheckpointRow.seq.desc()).limit(1)
     )
     return row
 
@@ -464,15 +506,20 @@ async def next_expiry(session: AsyncSession) -> float | None:
     return float(value) if value is not None else None
 
 
-async def storage_usage(session: AsyncSession, project_id: str) -> list[tuple[str, str, int, int]]:
+async def storage_usage(
+    session: AsyncSession, project_id: str, *, owner: str | None
+) -> list[tuple[str, str, int, int]]:
     """``(owner, project_id, checkpoint count, bytes)`` of the live checkpoints, per owner and
-    project."""
+    project: the tenant ``owner``'s alone, or every tenant's (rows of no tenant included) for
+    None."""
     stmt = select(
         CheckpointRow.owner,
         CheckpointRow.project_id,
         func.count(),
         func.coalesce(func.sum(CheckpointRow.size_bytes), 0),
     ).group_by(CheckpointRow.owner, CheckpointRow.project_id)
+    if owner is not None:
+        stmt = stmt.where(visible_to(owner, CheckpointRow.owner))
     if project_id:
         stmt = stmt.where(CheckpointRow.project_id == project_id)
     rows = await session.execute(stmt.order_by(CheckpointRow.owner, CheckpointRow.project_id))

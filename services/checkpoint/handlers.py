@@ -2,13 +2,47 @@
 path refers to, from the SQL read models.
 
 Owns: the Tinker REST JSON of training runs, checkpoints, sessions and storage usage; who may
-see or change what (a caller owns the sessions made with its API key, and the runs and
-checkpoints in them; ``access_scope=accessible`` adds runs with a published checkpoint); and
-turning deletes, publishes and TTLs into events. Does not own: the tables (tinsmith/catalog.py),
-following the log (projection.py) or the object store (storage.py).
+see or change what; and turning deletes, publishes and TTLs into events. Does not own: the
+tables (tinsmith/catalog.py), following the log (projection.py) or the object store
+(storage.py).
 
 Every answer waits until the catalog reflects the whole log as it was when the question arrived,
 so a client reads its own writes (a checkpoint listed as soon as save_state returned).
+
+Who may see or change what (``CatalogQuery.owner`` is the calling tenant):
+
+- A tenant owns its sessions and the runs, samplers and checkpoints made in them. No row belongs
+  to everyone: a query with an empty owner sees nothing (published checkpoints included), and
+  rows with an empty owner (logs older than tenants) are nobody's; only an admin's storage usage
+  still counts them.
+- Whatever is not the caller's answers NotFound with exactly the detail an id that does not
+  exist gets: a 404, never a 403, so existence is not revealed. That holds for every operation
+  on a run, a checkpoint or a session.
+- A published checkpoint (of a run that has a tenant) is the one exception: every tenant may
+  read it (``weights_info``, ``external_weights_urls``), and ``access_scope=accessible`` lists
+  its run (``training_runs``, ``training_run``, ``checkpoints``); only its owner may change it
+  (delete, publish, unpublish, TTL: NotFound for anyone else).
+- ``storage_usage`` is the caller's own; an admin (``CatalogQuery.admin``) gets every tenant's,
+  a row per tenant and project.
+- Download URLs that the gateway serves are signed for the calling tenant (tinsmith/blobs.py);
+  the gateway checks, on download, that the tenant may still read the checkpoint.
+
+What another tenant sees of a run listed because of a published checkpoint, field by field
+(``_training_run`` and ``_checkpoint`` with ``owned=False``):
+
+- ``training_run_id``, ``base_model``, ``lora_rank``, ``is_lora``, ``corrupted``: as for the
+  owner. Loading the published weights needs them, and ``weights_info`` tells them anyway.
+- ``model_owner``: ``""``. The SDK requires a string; the tenant's name is the owner's (an open
+  mode tenant's name is a digest of its API key).
+- ``last_request_time``: the time of the run's newest published checkpoint, not of its last
+  request (when a run trains is private).
+- ``last_checkpoint``, ``last_sampler_checkpoint``: the newest published checkpoint of each type,
+  or null. Never the newest overall: null for a private newer one would reveal it exists.
+- ``user_metadata`` of the run: null.
+- Its checkpoints (``checkpoints``, and the two above): only the published ones, each with
+  ``checkpoint_id``, ``checkpoint_type``, ``time``, ``tinker_path``, ``size_bytes`` and ``public``
+  as the owner sees them, and ``expires_at`` too (when the weights go away is what a reader of
+  them needs to know); ``user_metadata`` null (publishing shares the weights, not the notes).
 """
 
 from __future__ import annotations
@@ -79,7 +113,7 @@ class Catalog:
         await self.projection.catch_up()
         async with self.projection.session() as session:
             run = await self._run(session, query, query.training_run_id)
-            return await _training_run(session, run)
+            return await _training_run(session, run, owned=_owns(query, run.owner))
 
     async def training_runs(self, query: bus.CatalogQuery) -> JsonDict:
         limit, offset = _page(query, default_limit=20)
@@ -94,7 +128,9 @@ class Catalog:
                 offset=offset,
             )
             return {
-                "training_runs": [await _training_run(session, row) for row in rows],
+                "training_runs": [
+                    await _training_run(session, row, owned=_owns(query, row.owner)) for row in rows
+                ],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total},
             }
 
@@ -102,9 +138,10 @@ class Catalog:
         await self.projection.catch_up()
         async with self.projection.session() as session:
             run = await self._run(session, query, query.training_run_id)
-            rows = await catalog.checkpoints_of(session, run.model_id)
+            owned = _owns(query, run.owner)
+            rows = await catalog.checkpoints_of(session, run.model_id, published_only=not owned)
         return {
-            "checkpoints": [_checkpoint(row) for row in rows],
+            "checkpoints": [_checkpoint(row, owned=owned) for row in rows],
             "cursor": {"offset": 0, "limit": len(rows), "total_count": len(rows)},
         }
 
@@ -116,7 +153,7 @@ class Catalog:
                 session, owner=query.owner, limit=limit, offset=offset
             )
         return {
-            "checkpoints": [_checkpoint(row) for row in rows],
+            "checkpoints": [_checkpoint(row, owned=True) for row in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
         }
 
@@ -143,8 +180,8 @@ class Catalog:
         await self.projection.catch_up()
         async with self.projection.session() as session:
             row = await session.get(catalog.SessionRow, query.session_id)
-            if row is None or row.owner not in (query.owner, ""):
-                raise NotFound(f"no session {query.session_id!r} owned by this API key")
+            if row is None or not _owns(query, row.owner):
+                raise NotFound(f"no session {query.session_id!r} of this tenant")
             run_ids, sampler_ids = await catalog.session_members(session, row.session_id)
         body: JsonDict = {
             "training_run_ids": run_ids,
@@ -156,11 +193,13 @@ class Catalog:
         return body
 
     async def storage_usage(self, query: bus.CatalogQuery) -> JsonDict:
-        """Live checkpoints and their bytes, per owner and project (``billing/usage/checkpoints/
-        current``)."""
+        """Live checkpoints and their bytes, per tenant and project (``billing/usage/checkpoints/
+        current``): the caller's own, or every tenant's for an admin."""
         await self.projection.catch_up()
         async with self.projection.session() as session:
-            rows = await catalog.storage_usage(session, query.project_id)
+            rows = await catalog.storage_usage(
+                session, query.project_id, owner=None if query.admin else query.owner
+            )
         return {
             "data": [
                 {
@@ -176,7 +215,8 @@ class Catalog:
 
     async def external_weights_urls(self, query: bus.CatalogQuery) -> JsonDict:
         """A URL per file of the checkpoint that a plain HTTP GET downloads: presigned by the
-        object store where it can (s3://, gs://), else served and checked by the gateway."""
+        object store where it can (s3://, gs://), else served and checked by the gateway, signed
+        for the calling tenant."""
         row = await self._checkpoint(query, mine=False)
         expires = int(time.time()) + self.url_ttl_s
         try:
@@ -193,7 +233,7 @@ class Catalog:
                 raise InvalidRequest("download URLs need the gateway's base URL")
             urls = {
                 name: f"{query.base_url}/api/v1/blobs/"
-                + self.blobs.signed_query(row.blob_key, name, expires)
+                + self.blobs.signed_query(row.blob_key, name, expires=expires, tenant=query.owner)
                 for name in sorted(files)
             }
         return {"urls": urls, "expires": _iso(expires)}
@@ -281,57 +321,79 @@ class Catalog:
     async def _run(
         self, session: AsyncSession, query: bus.CatalogQuery, model_id: str
     ) -> catalog.RunRow:
+        """The run a query names: the caller's, or with ``access_scope=accessible`` another
+        tenant's that has a published checkpoint. Anything else is NotFound, worded the same
+        whether the run exists or not."""
         accessible = _accessible(query)  # a scope that is not one is refused either way
         run = await session.get(catalog.RunRow, model_id)
-        if run is not None and run.owner in (query.owner, ""):
+        if run is not None and _owns(query, run.owner):
             return run
         if (
             run is not None
             and accessible
+            and query.owner
             and await catalog.has_public_checkpoint(session, model_id)
         ):
             return run
         raise NotFound(
-            f"no training run {model_id!r} owned by this API key (access_scope='accessible' also "
-            "finds runs with a published checkpoint)"
+            f"no training run {model_id!r} of this tenant (access_scope='accessible' also "
+            "finds other tenants' runs with a published checkpoint)"
         )
 
     async def _checkpoint(self, query: bus.CatalogQuery, *, mine: bool) -> catalog.CheckpointRow:
-        """The checkpoint a query names. Changing it needs its owner; reading it, also a
-        published one."""
+        """The checkpoint a query names. Changing it (``mine``) needs its owner; reading it, its
+        owner or its publication. Anything else is NotFound, worded the same whether the
+        checkpoint exists or not."""
         path = artifacts.parse(query.tinker_path)
         await self.projection.catch_up()
         async with self.projection.session() as session:
             row = await session.get(catalog.CheckpointRow, str(path))
-        if row is None or not (row.owner in (query.owner, "") or (row.public and not mine)):
-            raise NotFound(f"no checkpoint {path} owned by this API key")
-        return row
+        if row is not None and _owns(query, row.owner):
+            return row
+        if row is not None and not mine and query.owner and row.owner and row.public:
+            return row
+        if mine:
+            raise NotFound(f"no checkpoint {path} of this tenant (only its owner may change it)")
+        raise NotFound(f"no checkpoint {path} of this tenant, nor a published one")
 
     async def _append(self, event: bus.Event) -> None:
         seq, _ = await self.log.append(event)
         await self.projection.wait_for(seq)
 
 
-async def _training_run(session: AsyncSession, run: catalog.RunRow) -> JsonDict:
-    """A ``TrainingRun`` as the SDK's REST types spell it; ``user_metadata`` exactly as sent."""
-    training = await catalog.latest_checkpoint(session, run.model_id, "training")
-    sampler = await catalog.latest_checkpoint(session, run.model_id, "sampler")
+async def _training_run(session: AsyncSession, run: catalog.RunRow, *, owned: bool) -> JsonDict:
+    """A ``TrainingRun`` as the SDK's REST types spell it: for its owner, ``user_metadata``
+    exactly as sent; for another tenant, only what its published checkpoints tell (the module
+    docstring, field by field)."""
+    public = not owned
+    training = await catalog.latest_checkpoint(
+        session, run.model_id, "training", published_only=public
+    )
+    sampler = await catalog.latest_checkpoint(
+        session, run.model_id, "sampler", published_only=public
+    )
+    last_request_time = run.last_request_time
+    if public:
+        newest = await catalog.latest_checkpoint(session, run.model_id, None, published_only=True)
+        # No published checkpoint only if it was unpublished since the run was found.
+        last_request_time = newest.created_at if newest else run.created_at
     return {
         "training_run_id": run.model_id,
         "base_model": run.base_model,
-        "model_owner": run.owner or "local",
+        "model_owner": run.owner if owned else "",
         "is_lora": True,
         "corrupted": False,
         "lora_rank": run.lora_rank,
-        "last_request_time": _iso(run.last_request_time),
-        "last_checkpoint": _checkpoint(training) if training else None,
-        "last_sampler_checkpoint": _checkpoint(sampler) if sampler else None,
-        "user_metadata": dict(run.user_metadata),
+        "last_request_time": _iso(last_request_time),
+        "last_checkpoint": _checkpoint(training, owned=owned) if training else None,
+        "last_sampler_checkpoint": _checkpoint(sampler, owned=owned) if sampler else None,
+        "user_metadata": dict(run.user_metadata) if owned else None,
     }
 
 
-def _checkpoint(row: catalog.CheckpointRow) -> JsonDict:
-    """A ``Checkpoint`` as the SDK's REST types spell it."""
+def _checkpoint(row: catalog.CheckpointRow, *, owned: bool) -> JsonDict:
+    """A ``Checkpoint`` as the SDK's REST types spell it; another tenant (who is shown published
+    checkpoints only) does not get its ``user_metadata``."""
     body: JsonDict = {
         "checkpoint_id": row.checkpoint_id,
         "checkpoint_type": row.checkpoint_type,
@@ -339,10 +401,16 @@ def _checkpoint(row: catalog.CheckpointRow) -> JsonDict:
         "tinker_path": row.tinker_path,
         "size_bytes": row.size_bytes,
         "public": row.public,
-        "user_metadata": dict(row.user_metadata) or None,
+        "user_metadata": (dict(row.user_metadata) or None) if owned else None,
         "expires_at": _iso(row.expires_at) if row.expires_at is not None else None,
     }
     return body
+
+
+def _owns(query: bus.CatalogQuery, owner: str) -> bool:
+    """Whether the caller is the tenant ``owner``; the empty owner is no tenant and owns
+    nothing."""
+    return bool(query.owner) and owner == query.owner
 
 
 def _accessible(query: bus.CatalogQuery) -> bool:

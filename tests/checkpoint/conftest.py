@@ -1,6 +1,7 @@
 """Catalog databases for the checkpoint tests: a SQLite file, and a fresh PostgreSQL database on
 the server at 127.0.0.1:5432 (trust auth, database ``test``) when it answers, else on a throwaway
-server started here from the PostgreSQL binaries, else the PostgreSQL cases skip saying why."""
+server started here from the PostgreSQL binaries, else the PostgreSQL cases skip saying why. And
+a file:// object store of the test's own."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tinsmith.blobs import BlobStore
 from tinsmith.embedded import free_port
 
 _SERVER = os.environ.get("TINSMITH_TEST_POSTGRES", "postgresql+asyncpg://postgres@127.0.0.1:5432")
@@ -85,3 +87,8 @@ def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite+aiosqlite:///{tmp_path / 'catalog.db'}"
     url: str = request.getfixturevalue("postgres_url")
     return url
+
+
+@pytest.fixture
+def blobs(tmp_path: Path) -> BlobStore:
+    return BlobStore(f"file://{tmp_path / 'blobs'}")

@@ -52,11 +52,6 @@ class Service:
         await self.projection.engine.dispose()
 
 
-@pytest.fixture
-def blobs(tmp_path: Path) -> BlobStore:
-    return BlobStore(f"file://{tmp_path / 'blobs'}")
-
-
 async def start_service(
     nats_url: str, catalog_url: str, blobs: BlobStore, *, start_storage: bool = False
 ) -> Service:
@@ -251,7 +246,7 @@ async def test_reads_are_scoped_to_the_caller_and_storage_is_accounted_per_user(
         page = await service.ask("training_runs", owner="key-alice", access_scope="accessible")
         assert {r["training_run_id"] for r in page["training_runs"]} == {RUN, OTHER_RUN}
         assert (await service.ask("sessions", owner="key-bob"))["sessions"] == ["S2"]
-        usage = await service.ask("storage_usage")
+        usage = await service.ask("storage_usage", owner="key-bob", admin=True)
         totals = {row["org_user_urn"]: row for row in usage["data"]}
         assert totals["key-alice"]["checkpoint_count"] == 2
         assert totals["key-alice"]["size_bytes"] == 120 + 50
