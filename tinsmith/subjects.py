@@ -39,7 +39,6 @@ _SAMPLE_STREAMS = "tinsmith.samples.stream"
 SESSION_HEARTBEATS = "tinsmith.heartbeats.session"
 
 # Request-reply services.
-RESOLVE_CHECKPOINT = "tinsmith.rpc.checkpoint.resolve"
 # Every question and change the REST API asks of the checkpoint service's catalog, one subject
 # each (``catalog_subject``): a bus.CatalogQuery in, a bus.CatalogReply out.
 CATALOG_OPS = (

@@ -42,7 +42,6 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     service = Catalog(eventlog, projection, storage, blobs, url_ttl_s=config.url_ttl_s)
     await projection.start()
     storage.start()
-    await bus.serve(subjects.RESOLVE_CHECKPOINT, service.resolve)
     for op, handler in service.operations().items():
         await bus.serve(subjects.catalog_subject(op), handler)
 

@@ -1,5 +1,6 @@
-"""The catalog's answers: every REST read and change the gateway forwards, and what a tinker://
-path refers to, from the SQL read models.
+"""The catalog's answers: every REST read and change the gateway forwards, from the SQL read
+models. (What a tinker:// path refers to, for loads and samplers, the gateway reads from its own
+projection of the log: services/gateway/operations.py.)
 
 Owns: the Tinker REST JSON of training runs, checkpoints, sessions and storage usage; who may
 see or change what; and turning deletes, publishes and TTLs into events. Does not own: the
@@ -271,52 +272,6 @@ class Catalog:
     async def gc(self, query: bus.CatalogQuery) -> JsonDict:
         grace = query.grace_s if query.grace_s > 0 else self.storage.gc_grace_s
         return {"removed": await self.storage.collect(grace)}
-
-    # -- resolving tinker:// paths -------------------------------------------------------------
-
-    async def resolve(self, payload: bytes) -> bytes:
-        query = bus.ResolveCheckpoint.FromString(payload)
-        try:
-            checkpoint = await self._resolve(query.tinker_path)
-        except TinsmithError as error:
-            return bus.ResolvedCheckpoint(
-                error_kind=error.kind, error_detail=error.detail
-            ).SerializeToString()
-        return bus.ResolvedCheckpoint(checkpoint=checkpoint).SerializeToString()
-
-    async def _resolve(self, tinker_path: str) -> bus.WeightsSaved:
-        artifacts.parse(tinker_path)
-        async with self.projection.session() as session:
-            row = await session.get(catalog.CheckpointRow, tinker_path)
-        if row is None:
-            await self.projection.catch_up()  # saved a moment ago, perhaps
-            async with self.projection.session() as session:
-                row = await session.get(catalog.CheckpointRow, tinker_path)
-        if row is None:
-            raise NotFound(f"no checkpoint at {tinker_path}")
-        if not await self.blobs.exists(row.blob_key):
-            raise NotFound(f"the weights of {tinker_path} are no longer in the object store")
-        saved = bus.WeightsSaved(
-            model_id=row.model_id,
-            tinker_path=row.tinker_path,
-            blob_key=row.blob_key,
-            kind=artifacts.parse(row.tinker_path).kind,
-            base_model=row.base_model,
-            lora_rank=row.lora_rank,
-            size_bytes=row.size_bytes,
-            user_metadata=row.user_metadata,
-            lora=bus.LoraConfig(
-                rank=row.lora_rank,
-                train_mlp=row.train_mlp,
-                train_attn=row.train_attn,
-                train_unembed=row.train_unembed,
-            ),
-        )
-        if row.ttl_seconds is not None:
-            saved.ttl_seconds = row.ttl_seconds
-        return saved
-
-    # -- helpers -------------------------------------------------------------------------------
 
     async def _run(
         self, session: AsyncSession, query: bus.CatalogQuery, model_id: str

@@ -387,12 +387,6 @@ class Event(_message.Message):
     key_revoked: KeyRevoked
     def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ...) -> None: ...
 
-class ResolveCheckpoint(_message.Message):
-    __slots__ = ("tinker_path",)
-    TINKER_PATH_FIELD_NUMBER: _ClassVar[int]
-    tinker_path: str
-    def __init__(self, tinker_path: _Optional[str] = ...) -> None: ...
-
 class CatalogQuery(_message.Message):
     __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin")
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -432,16 +426,6 @@ class CatalogReply(_message.Message):
     error_detail: str
     json: bytes
     def __init__(self, error_kind: _Optional[str] = ..., error_detail: _Optional[str] = ..., json: _Optional[bytes] = ...) -> None: ...
-
-class ResolvedCheckpoint(_message.Message):
-    __slots__ = ("error_kind", "error_detail", "checkpoint")
-    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
-    ERROR_DETAIL_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
-    error_kind: str
-    error_detail: str
-    checkpoint: WeightsSaved
-    def __init__(self, error_kind: _Optional[str] = ..., error_detail: _Optional[str] = ..., checkpoint: _Optional[_Union[WeightsSaved, _Mapping]] = ...) -> None: ...
 
 class CheckpointDeleted(_message.Message):
     __slots__ = ("model_id", "tinker_path", "blob_key", "reason")
