@@ -1,5 +1,5 @@
-"""The ``tinsmith`` command: ``up`` runs everything, ``serve`` runs one service, ``models`` lists
-and builds the built-in models.
+"""The ``tinsmith`` command: ``up`` runs everything, ``serve`` runs one service, ``keys`` issues,
+lists and revokes API keys, ``models`` lists and builds the built-in models.
 
 Owns: argument parsing and process lifetime at the top. Does not own: what the services do.
 """
@@ -11,10 +11,22 @@ import asyncio
 import runpy
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from tinsmith import models
+from tinsmith import keyadmin, models, tenants
 from tinsmith.embedded import SERVICES, System, default_data_dir
+from tinsmith.failures import TinsmithError
+
+_AUTH_LINES = {
+    tenants.OPEN: (
+        "tinsmith auth: open (any tml- key is its own tenant; set TINSMITH_AUTH=keys to require "
+        "issued keys)"
+    ),
+    tenants.KEYS: (
+        "tinsmith auth: keys (only keys issued with `tinsmith keys create` are accepted)"
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="run one service against TINSMITH_NATS_URL")
     serve.add_argument("service", choices=SERVICES)
 
+    keys = commands.add_parser("keys", help="issue, list and revoke the API keys of a deployment")
+    _add_key_commands(keys)
+
     listing = commands.add_parser("models", help="list the advertised models")
     listing.add_argument("--build", metavar="NAME", help="build or convert NAME into the cache")
 
@@ -44,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         if grpc_port is None:
             grpc_port = 8001 if args.port == 8000 else 0
         return _up(args.host, args.port, grpc_port, args.data_dir or default_data_dir())
+    if args.command == "keys":
+        return _keys(args)
     if args.command == "serve":
         sys.argv = [f"services.{args.service}"]
         runpy.run_module(f"services.{args.service}", run_name="__main__")
@@ -58,12 +75,100 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _add_key_commands(keys: argparse.ArgumentParser) -> None:
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--nats-url",
+        help="the deployment's NATS; default: TINSMITH_NATS_URL, else the running `tinsmith up` "
+        "of --data-dir",
+    )
+    where.add_argument("--data-dir", type=Path, default=None, help=f"default: {default_data_dir()}")
+    actions = keys.add_subparsers(dest="action", required=True)
+
+    create = actions.add_parser(
+        "create", parents=[where], help="issue a key for a tenant; the key is printed this once"
+    )
+    create.add_argument(
+        "--tenant",
+        required=True,
+        type=_checked(tenants.check_tenant),
+        help="who the key's calls are from: the owner of all they create",
+    )
+    create.add_argument("--admin", action="store_true", help="may see every tenant's usage")
+    create.add_argument(
+        "--label",
+        default="",
+        type=_checked(keyadmin.check_text, "label"),
+        help="a note on the key (whose laptop, which job), shown by `keys list`",
+    )
+    for name, (_, bounds) in keyadmin.QUOTA_FLAGS.items():
+        create.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=int,
+            metavar="N",
+            help=f"this key's quota of {bounds}; default: the deployment's",
+        )
+
+    actions.add_parser("list", parents=[where], help="every key issued, without secrets")
+
+    revoke = actions.add_parser("revoke", parents=[where], help="refuse a key from now on")
+    revoke.add_argument("key_id", metavar="KEY_ID", help="as `keys list` shows it, or the key")
+    revoke.add_argument(
+        "--reason",
+        default="",
+        type=_checked(keyadmin.check_text, "reason"),
+        help="why, kept in the log and shown by `keys list`",
+    )
+
+
+def _checked(check: Callable[..., str], *extra: str) -> Callable[[str], str]:
+    """An argparse type from a check that raises ``InvalidRequest``: its detail is the usage
+    error."""
+
+    def parse(value: str) -> str:
+        try:
+            return check(value, *extra)
+        except TinsmithError as error:
+            raise argparse.ArgumentTypeError(error.detail) from None
+
+    return parse
+
+
+def _keys(args: argparse.Namespace) -> int:
+    data_dir = (args.data_dir or default_data_dir()).expanduser()
+    try:
+        source = keyadmin.locate(args.nats_url, data_dir)
+        if args.action == "create":
+            overrides = keyadmin.quotas(
+                **{name: getattr(args, name) for name in keyadmin.QUOTA_FLAGS}
+            )
+            text = asyncio.run(
+                keyadmin.create(
+                    source, args.tenant, admin=args.admin, overrides=overrides, label=args.label
+                )
+            )
+        elif args.action == "list":
+            text = asyncio.run(keyadmin.list_keys(source))
+        else:
+            text = asyncio.run(keyadmin.revoke(source, args.key_id, args.reason))
+    except TinsmithError as error:
+        print(f"tinsmith keys {args.action}: {error.detail}", file=sys.stderr)
+        return 1
+    print(text, end="", flush=True)
+    return 0
+
+
 def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
+    # First, and before anything starts: the mode the gateway will run in (it gets it from here).
+    auth_mode = tenants.mode_from_env(host)
+    print(_AUTH_LINES[auth_mode], flush=True)
     system = System(
         host=host,
         port=port,
         data_dir=data_dir.expanduser().resolve(),
         grpc_port=grpc_port,  # 0: a free one, picked at start
+        auth_mode=auth_mode,
     )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C while starting
     try:

