@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,6 +23,14 @@ from tinsmith.eventlog import EventLog
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A Hugging Face home of the tests' own, for them and the systems they start, never the
+# developer's: get_tokenizer() loads a built-in model by its name from the hub cache, so only
+# what `tinsmith up` installed there makes it work.
+_HF_HOME = tempfile.mkdtemp(prefix="tinsmith-tests-hf-")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+os.environ["HF_HOME"] = _HF_HOME
+for _variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+    os.environ.pop(_variable, None)
 
 
 @pytest.fixture(scope="session")

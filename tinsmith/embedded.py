@@ -28,7 +28,7 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from tinsmith import bus, health, subjects
+from tinsmith import bus, health, models, subjects
 
 SERVICES = ("checkpoint", "trainer", "sampler", "gateway")
 _PR_SET_PDEATHSIG = 1
@@ -166,6 +166,11 @@ class System:
             "TINSMITH_GRPC_PORT": str(self.grpc_port),
             "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
             "TOKENIZERS_PARALLELISM": "false",
+            # Local base models: by default the models this machine's tinsmith built, so that a
+            # client here may name one by its directory (the cookbook does). Set it empty: none.
+            models.MODEL_DIRS_VARIABLE: os.environ.get(
+                models.MODEL_DIRS_VARIABLE, str(models.default_cache_dir() / "models")
+            ),
         }
         if self.auth_mode:
             env["TINSMITH_AUTH"] = self.auth_mode
@@ -174,7 +179,11 @@ class System:
         for name in SERVICES:
             service_env = {**env, health.PORT_VARIABLE: str(self.health_ports[name])}
             self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], service_env)
-        await self._wait_ready(timeout_s)
+        # Meanwhile the built-in models' tokenizers go into this user's Hugging Face hub cache:
+        # get_info names them by model name, which a client here then loads offline.
+        await asyncio.gather(
+            self._wait_ready(timeout_s), asyncio.to_thread(models.install_builtin_tokenizers)
+        )
         # Recorded once everything answers: a launcher that fails to start never overwrites the
         # record of one that runs.
         record_nats_url(self.data_dir, self.nats_url)

