@@ -30,7 +30,7 @@ from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http
 from tinsmith.tenants import Tenant
 
 from . import operations as ops
-from . import wire
+from . import tokenizers, wire
 from .handlers import Gateway
 from .rest import BodyTooLarge, Rest, read_body, read_json, tenant_of
 
@@ -87,9 +87,13 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def authenticated(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every API call names its tenant with its key (``request["tenant"]``), or is refused
     with 401, before its body is read. The exceptions carry no tenant's data: the health check,
-    and the signed downloads (bound to a tenant by their signature, and expiring)."""
+    the signed downloads (bound to a tenant by their signature, and expiring), and the built-in
+    models' tokenizers under ``/hf`` (Hugging Face clients send no tinsmith key)."""
     route = request.match_info.route.resource
-    if route is None or route.canonical not in _KEYLESS:
+    keyless = route is not None and (
+        route.canonical in _KEYLESS or route.canonical.startswith(tokenizers.PREFIX + "/")
+    )
+    if not keyless:
         gateway: Gateway = request.app[GATEWAY]
         request["tenant"] = await gateway.authenticate(request.headers.get("X-API-Key"))
     return await handler(request)
@@ -246,6 +250,7 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app.router.add_get(API + "/healthz", healthz)
     # Training runs, checkpoints, sessions, downloads: the REST catalog.
     (rest or Rest(gateway, None)).add_routes(app)
+    tokenizers.add_routes(app)
     return app
 
 

@@ -396,7 +396,7 @@ def get_info(call: Call, request: ModelRef) -> Done[dict[str, Any]]:
             "model_data": {
                 "arch": spec.arch,
                 "model_name": held.base_model,
-                "tokenizer_id": held.tokenizer_id or held.base_model,
+                "tokenizer_id": models.tokenizer_id(held.base_model),
             },
             "is_lora": True,
             "lora_rank": held.lora_rank,

@@ -21,6 +21,7 @@ import pytest
 import tinker
 
 from tests.conftest import RunningSystem
+from tinsmith import models
 
 RENDERER = {"renderer_name": "qwen3", "note": 'ünïcode, spaces & {"json": [1]}'}
 
@@ -293,8 +294,9 @@ def _load_with_peft(training: tinker.TrainingClient, adapter: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    base = training.get_info().model_data.tokenizer_id
-    assert base is not None and Path(base).is_dir()
+    info = training.get_info().model_data
+    assert info.tokenizer_id == info.model_name == "tinsmith/tiny"  # a name, never a server path
+    base = models.materialize(info.model_name)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))
     saved = load_file(str(adapter / "adapter_model.safetensors"))
     loaded = get_peft_model_state_dict(model, save_embedding_layers=False)

@@ -203,6 +203,16 @@ async def test_a_request_that_cannot_be_read_back_fails_and_the_run_goes_on(
     assert len(tracebacks) == 1  # logged once, with its traceback
 
 
+async def test_a_run_names_its_tokenizer_by_its_model_never_by_a_server_path(
+    harness: Harness,
+) -> None:
+    async with harness.trainer():
+        await harness.settled(await harness.create("named"))
+    run = harness.projection.state.runs["named"]
+    assert run.ready and run.tokenizer_id == run.base_model
+    assert not run.tokenizer_id.startswith("/")
+
+
 async def test_a_run_whose_snapshot_is_gone_fails_each_request_instead_of_hanging(
     harness: Harness,
 ) -> None:
