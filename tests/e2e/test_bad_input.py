@@ -4,6 +4,8 @@ serving (a rejected training request does not stall the run's later requests).""
 from __future__ import annotations
 
 import re
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import tinker
 from tinker import types
 
 from tests.conftest import RunningSystem
+from tinsmith import models
 
 HEADERS = {"X-API-Key": "tml-e2e"}
 
@@ -198,9 +201,20 @@ def test_the_system_keeps_serving(http: httpx.Client, training: tinker.TrainingC
     _still_trains(training)
 
 
-def test_a_base_model_of_an_unsupported_architecture(http: httpx.Client, tmp_path: Path) -> None:
+def test_a_base_model_of_an_unsupported_architecture(http: httpx.Client) -> None:
+    """A served directory (under TINSMITH_MODEL_DIRS: tinsmith up's default is the models cache)
+    whose architecture the engines cannot train is refused by name."""
     gpt2 = '{"model_type": "gpt2", "vocab_size": 100, "n_embd": 64, "n_layer": 2, "n_head": 4}'
-    (tmp_path / "config.json").write_text(gpt2)
+    served = models.default_cache_dir() / "models" / f"test-gpt2-{uuid.uuid4().hex[:8]}"
+    served.mkdir(parents=True)
+    (served / "config.json").write_text(gpt2)
+    try:
+        _refused_by_architecture(http, served)
+    finally:
+        shutil.rmtree(served)
+
+
+def _refused_by_architecture(http: httpx.Client, tmp_path: Path) -> None:
     session = http.post("/create_session", json={"tags": [], "user_metadata": {}}).json()
     reply = http.post(
         "/create_model",

@@ -181,7 +181,7 @@ def test_a_clients_trace_context_is_the_parent_on_both_faces(
     receiver.clear()
     request = urllib.request.Request(
         traced_system.url + "/api/v1/get_server_capabilities",
-        headers={"traceparent": TRACEPARENT},
+        headers={"traceparent": TRACEPARENT, "X-API-Key": "tml-tracing"},
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
@@ -190,7 +190,7 @@ def test_a_clients_trace_context_is_the_parent_on_both_faces(
         with pytest.raises(grpc.RpcError) as missing:
             catalog.GetSession(
                 svc.GetSessionRequest(session_id="no-such-session"),
-                metadata=[("traceparent", TRACEPARENT)],
+                metadata=[("traceparent", TRACEPARENT), ("x-api-key", "tml-tracing")],
                 timeout=10,
             )
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
