@@ -27,16 +27,12 @@ from opentelemetry.trace import SpanKind
 
 from tinsmith import subjects, telemetry
 from tinsmith.failures import Unavailable
+from tinsmith.limits import MAX_BODY_BYTES, MAX_PAYLOAD
 from tinsmith.workqueue import Delivery, WorkQueue
 
 log = logging.getLogger(__name__)
 
-# The embedded server and the deploy manifests run NATS with this max payload; the gateway tells
-# the SDK to cut forward_backward chunks well below it.
-MAX_PAYLOAD = 8 * 1024 * 1024
-# What one message may carry besides its headers (the trace context, the message id) and the
-# envelope of an event: the most a request's body or a result may take.
-MAX_BODY_BYTES = MAX_PAYLOAD - 64 * 1024
+__all__ = ["MAX_BODY_BYTES", "MAX_PAYLOAD", "Bus"]
 DUPLICATE_WINDOW_S = 120.0
 CLOSE_TASKS_TIMEOUT_S = 1.0
 # A closing connection waits this long at most for its subscriptions' messages in hand to be

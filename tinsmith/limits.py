@@ -39,6 +39,13 @@ MAX_METADATA_ENTRIES = 256
 TTL_MAX_S = 10 * 365 * 24 * 3600
 TTL_MIN_S = 3600
 
+# The embedded server and the deploy manifests run NATS with this max payload; the gateway tells
+# the SDK to cut forward_backward chunks well below it.
+MAX_PAYLOAD = 8 * 1024 * 1024
+# What one message may carry besides its headers (the trace context, the message id) and the
+# envelope of an event: the most a request's body or a result may take.
+MAX_BODY_BYTES = MAX_PAYLOAD - 64 * 1024
+
 _FLOAT = 4  # bytes; the engines compute in float32 on the CPU
 _MIB = 2**20
 

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from tinsmith import events, jobs, models, subjects, telemetry, tenants
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.eventlog import EventLog, FollowedProjection
-from tinsmith.failures import InternalError, NotFound, TinsmithError, Unauthenticated, from_kind
+from tinsmith.failures import InternalError, NotFound, TinsmithError, from_kind
 from tinsmith.failures import future_failure as failure_body
 from tinsmith.tenants import Tenant
 
@@ -73,20 +73,15 @@ class Gateway:
 
     async def authenticate(self, key: str | None) -> Tenant:
         """The tenant ``key`` stands for, or ``Unauthenticated``. A key issued a moment ago may
-        not have reached this replica yet: it catches up with the log once before refusing."""
-
-        def check() -> Tenant:
-            return tenants.authenticate(
-                key, self.state.keys, mode=self.config.auth, defaults=self.config.quotas
-            )
-
-        try:
-            return check()
-        except Unauthenticated:
-            if not tenants.key_id_of(key or ""):
-                raise
+        not have reached this replica yet: one in the issued form whose id this replica does
+        not know makes it catch up with the log first (in open mode too, where it would
+        otherwise pass for a tenant of its own)."""
+        key_id = tenants.key_id_of(key or "")
+        if key_id is not None and key_id not in self.state.keys:
             await self.projection.catch_up()
-            return check()
+        return tenants.authenticate(
+            key, self.state.keys, mode=self.config.auth, defaults=self.config.quotas
+        )
 
     # -- operations ----------------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """The Tinker operations as decisions: one function per operation, from a typed request to the
 event to append, the answer, or an error. Pure: no I/O, no clock, no randomness of its own.
 
-Owns: what each Tinker call means in terms of events, every check that lets a bad request fail at
-once with a clear 4xx instead of inside a future, who may do what (``Call.owns``: one decision,
-made by every operation before it reads anything else of what it touches), and each tenant's
-quotas. Does not own: reading requests off the wire (http.py, grpc_face.py, wire.py), appending
-and waiting (handlers.py), or compute.
+Owns: what each Tinker call means in terms of events, who may do what (``Call.owns``: one
+decision, made by every operation before it reads anything else of what it touches), each
+tenant's quotas, and the order of a run's requests (repeats, refusals that spend a seq_id, the
+window ahead). Does not own: the checks of a request's content against its model and the bounds
+(checks.py), reading requests off the wire (http.py, grpc_face.py, wire.py), appending and
+waiting (handlers.py), or compute. The model registry it asks (``models.get``) reads a served
+directory's config.json: the one read of the disk behind a decision.
 
 Isolation. Every session, run, sampler, future and checkpoint belongs to the tenant that created
 its session. Another tenant is told exactly what it would be told if the thing did not exist
@@ -24,13 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
-import numpy as np
-
-from tinsmith import artifacts, events, jobs, limits, losses, models, subjects
+from tinsmith import artifacts, events, jobs, limits, models, subjects
 from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import (
     InternalError,
     InvalidRequest,
@@ -40,9 +39,10 @@ from tinsmith.failures import (
     TinsmithError,
     from_kind,
 )
-from tinsmith.limits import MAX_TOPK_LOGPROBS, Limits, mib
+from tinsmith.limits import Limits, mib
 from tinsmith.tenants import SESSION_ACTIVE_S, Tenant
-from tinsmith.tensors import decode_tensor, model_input_tokens, sparse_cells
+
+from . import checks
 
 A = TypeVar("A")
 
@@ -321,7 +321,7 @@ def create_model(call: Call, request: CreateModel) -> Decision[Future]:
         return Done(existing)
     spec = base_model(request.base_model)
     lora = request.lora
-    _check_lora(call, lora)
+    checks.check_lora(call.limits, lora)
     lora_layout.target_modules(
         spec.arch, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed
     )
@@ -413,57 +413,10 @@ def forward_backward(call: Call, request: ForwardBackward) -> Decision[Future]:
         raise InvalidRequest(f"seq_id must be >= 1 for forward_backward, got {chunk.seq_id}")
 
     def build() -> dict[str, Any]:
-        _check_forward_backward(call, held, chunk)
+        checks.check_forward_backward(call.limits, models.get(held.base_model), chunk)
         return {"forward_backward": chunk}
 
     return _submit(call, held, chunk.seq_id, build)
-
-
-def _check_forward_backward(
-    call: Call, held: jobs.RunState, request: tp.ForwardBackwardRequest
-) -> None:
-    losses.resolve_config(request.loss_fn, losses.config_of(request))
-    if not request.data:
-        raise InvalidRequest("forward_backward needs at least one datum")
-    spec = models.get(held.base_model)
-    lengths = []
-    for i, datum in enumerate(request.data):
-        tokens = model_input_tokens(datum.model_input)
-        n = len(tokens)
-        lengths.append(n)
-        if n == 0:
-            raise InvalidRequest(f"datum {i} has an empty model_input")
-        if n > spec.max_context_length:
-            raise InvalidRequest(
-                f"datum {i} has {n} tokens; {held.base_model} accepts at most "
-                f"{spec.max_context_length}"
-            )
-        check_vocab(tokens, spec.vocab_size, f"datum {i} model_input")
-        inputs = {
-            name: decode_tensor(tensor, f"datum {i} loss_fn_inputs[{name!r}]")
-            for name, tensor in datum.loss_fn_inputs.items()
-        }
-        losses.check_inputs(request.loss_fn, inputs, n, i)
-        check_vocab(inputs["target_tokens"], spec.vocab_size, f"datum {i} target_tokens")
-    _check_train_memory(call, spec, lengths, backward=not request.forward_only)
-
-
-def _check_train_memory(
-    call: Call, spec: models.ModelSpec, lengths: list[int], *, backward: bool
-) -> None:
-    """Refuse a request whose activations would not fit the trainer's memory budget."""
-    budget = call.limits.train_memory_mb << 20
-    need = limits.train_bytes(spec.shape, spec.vocab_size, lengths, backward=backward)
-    if need <= budget:
-        return
-    per_token = limits.train_bytes(spec.shape, spec.vocab_size, [1], backward=backward)
-    op = "forward_backward" if backward else "forward"
-    raise InvalidRequest(
-        f"this {op} needs about {mib(need)} of activation memory ({sum(lengths)} tokens in "
-        f"{len(lengths)} datums of {spec.name}); the trainer's budget for one request is "
-        f"{mib(budget)} (TINSMITH_TRAIN_MEMORY_MB), about {budget // per_token} tokens of "
-        "this model: send fewer or shorter datums per call"
-    )
 
 
 def optim_step(call: Call, request: OptimStep) -> Decision[Future]:
@@ -578,7 +531,7 @@ def sample(call: Call, request: Sample) -> Decision[Future]:
     command = bus.Sample()
     command.CopyFrom(request.command)
     command.base_model, command.adapter_key = held.base_model, held.adapter_key
-    _check_sample(call, models.get(held.base_model), command)
+    checks.check_sample(call.limits, models.get(held.base_model), command)
     sequence_ids = tuple(f"{request_id}:{i}" for i in range(command.num_samples))
     future = Future(request_id, held.sampler_id, sequence_ids)
     if request_id in call.state.requests:
@@ -606,107 +559,6 @@ def sample(call: Call, request: Sample) -> Decision[Future]:
     return Append(
         events.make(request_accepted=accepted), future, aggregate="sampler", msg_id=request_id
     )
-
-
-def _check_sample(call: Call, spec: models.ModelSpec, command: bus.Sample) -> None:
-    prompt = command.prompt
-    if not prompt:
-        raise InvalidRequest("prompt must contain at least one token")
-    check_vocab(list(prompt), spec.vocab_size, "prompt")
-    if command.params.WhichOneof("stop") == "stop_tokens":
-        check_vocab(list(command.params.stop_tokens.values), spec.vocab_size, "stop token ids")
-    if len(prompt) + command.params.max_tokens > spec.max_context_length:
-        raise InvalidRequest(
-            f"prompt ({len(prompt)} tokens) plus max_tokens ({command.params.max_tokens}) exceeds "
-            f"the context length of {spec.name} ({spec.max_context_length})"
-        )
-    if command.HasField("target_prompt_logprobs"):
-        _check_targets(command.target_prompt_logprobs, len(prompt), spec.vocab_size)
-    _check_sample_cost(call, spec, command)
-
-
-def _check_targets(tensor: tp.Tensor, prompt_length: int, vocab_size: int) -> None:
-    """The token ids to score at each prompt position: int64 ``[len(prompt) - 1, K]``, ``-1``
-    for cells that ask for nothing, at most ``MAX_TOPK_LOGPROBS`` distinct ids."""
-    what = "target_prompt_logprobs"
-    shape = list(tensor.shape)
-    if len(shape) != 2 or shape[0] != prompt_length - 1 or shape[1] < 1:
-        raise InvalidRequest(
-            f"{what} must have shape [len(prompt) - 1, K] = [{prompt_length - 1}, K >= 1], "
-            f"got {shape}"
-        )
-    _, _, ids = sparse_cells(tensor, what)
-    named = ids[ids != -1]
-    if not len(named):
-        raise InvalidRequest(f"{what} names no token id (every cell is -1)")
-    check_vocab(named, vocab_size, what)
-    distinct = len(set(named.tolist()))
-    if distinct > MAX_TOPK_LOGPROBS:
-        raise InvalidRequest(
-            f"{what} names {distinct} distinct token ids; at most {MAX_TOPK_LOGPROBS} are accepted"
-        )
-
-
-def _check_sample_cost(call: Call, spec: models.ModelSpec, command: bus.Sample) -> None:
-    """Refuse a sample request that would take more of the sampler than one request may, or
-    whose result could not be stored, before it is accepted."""
-    bounds = call.limits
-    prompt, max_tokens = len(command.prompt), command.params.max_tokens
-    n = command.num_samples
-    tokens = n * (prompt + max_tokens)
-    if tokens > bounds.sample_max_tokens:
-        raise InvalidRequest(
-            f"num_samples x (prompt + max_tokens) is {n} x ({prompt} + {max_tokens}) = "
-            f"{tokens} tokens; one sample request may ask for at most "
-            f"{bounds.sample_max_tokens} (TINSMITH_SAMPLE_MAX_TOKENS): ask for fewer samples "
-            "or tokens, or send several requests"
-        )
-    wants_prompt = (
-        command.prompt_logprobs
-        or command.topk_prompt_logprobs > 0
-        or command.prompt_alt_tokens_k > 0
-        or command.HasField("target_prompt_logprobs")
-    )
-    memory = limits.sample_bytes(
-        spec.shape,
-        spec.vocab_size,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        num_samples=n,
-        prompt_scores=wants_prompt,
-    )
-    budget = bounds.sample_memory_mb << 20
-    if memory > budget:
-        raise InvalidRequest(
-            f"this sample request needs about {mib(memory)} of the sampler's memory (its KV "
-            f"cache for {n} x ({prompt} + {max_tokens}) tokens of {spec.name}, and its "
-            f"logits); one request may take {mib(budget)} (TINSMITH_SAMPLE_MEMORY_MB): ask "
-            "for fewer samples or tokens"
-        )
-    cells = 0  # of target_prompt_logprobs: its stored ids (int64 column indices, if CSR)
-    if command.HasField("target_prompt_logprobs"):
-        targets = command.target_prompt_logprobs
-        if targets.WhichOneof("encoding") == "sparse_csr":
-            cells = len(targets.sparse_csr.col_indices) // 8
-        else:
-            cells = int(targets.shape[0]) * int(targets.shape[1])
-    result = limits.sample_result_bytes(
-        prompt=prompt,
-        max_tokens=max_tokens,
-        num_samples=n,
-        topk_sample=command.topk_sample_logprobs,
-        topk_prompt=command.topk_prompt_logprobs,
-        prompt_logprobs=command.prompt_logprobs,
-        target_cells=cells,
-        alt_tokens_k=command.prompt_alt_tokens_k,
-    )
-    if result > MAX_BODY_BYTES:
-        raise InvalidRequest(
-            f"the result of this sample request could take {mib(result)} ({n} samples x "
-            f"{max_tokens} tokens, top-{command.topk_sample_logprobs} logprobs each); a "
-            f"result is stored as one message of at most {mib(MAX_BODY_BYTES)}: ask for "
-            "fewer samples, tokens or top-k logprobs, or send several requests"
-        )
 
 
 def cancel_sample(call: Call, request: RequestRef) -> Done[jobs.RequestState | None]:
@@ -813,16 +665,6 @@ def _counter(name: str, value: int) -> int:
     return value
 
 
-def _check_lora(call: Call, lora: bus.LoraConfig) -> None:
-    if not 1 <= lora.rank <= call.limits.max_lora_rank:
-        raise InvalidRequest(
-            f"LoRA rank {lora.rank} is outside [1, {call.limits.max_lora_rank}], this server's "
-            "range (TINSMITH_MAX_LORA_RANK)"
-        )
-    if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
-        raise InvalidRequest("lora_config must train at least one of mlp, attn and unembed")
-
-
 def _check_runs_quota(call: Call) -> None:
     loaded = _loaded_runs(call, call.tenant.name)
     quota = call.tenant.quotas.max_runs
@@ -846,43 +688,7 @@ def _check_inflight(call: Call) -> None:
 
 
 def _check_metadata(call: Call, *parts: str | Iterable[str] | dict[str, str]) -> None:
-    check_metadata(call.limits.max_metadata_bytes, *parts)
-
-
-def check_metadata(limit: int, *parts: str | Iterable[str] | dict[str, str]) -> None:
-    """Refuse a call whose tags, user_metadata and other free text take more than ``limit``
-    bytes together: they are kept in the log and in memory for good."""
-    total = 0
-    for part in parts:
-        if isinstance(part, str):
-            total += len(part.encode())
-        elif isinstance(part, dict):
-            total += sum(len(k.encode()) + len(v.encode()) for k, v in part.items())
-        else:
-            total += sum(len(item.encode()) for item in part)
-    if total > limit:
-        raise InvalidRequest(
-            f"the call's tags, user_metadata and names take {total} bytes; at most {limit} are "
-            "accepted (TINSMITH_MAX_METADATA_BYTES)"
-        )
-
-
-def check_vocab(tokens: list[int] | np.ndarray, vocab_size: int, what: str) -> None:
-    """Refuse token ids outside ``[0, vocab_size)`` (Python integers of any size too)."""
-    if not len(tokens):
-        return
-    if isinstance(tokens, np.ndarray):
-        low, high = int(tokens.min()), int(tokens.max())
-    else:
-        low, high = min(tokens), max(tokens)
-    if low < 0 or high >= vocab_size:
-        bad = int(low) if low < 0 else int(high)
-        digits = str(bad)
-        shown = digits if len(digits) <= 40 else f"{digits[:20]}...({len(digits)} digits)"
-        raise InvalidRequest(
-            f"{what} contains token id {shown}, outside the vocabulary: ids must be in "
-            f"[0, {vocab_size})"
-        )
+    checks.check_metadata(call.limits.max_metadata_bytes, *parts)
 
 
 def _existing(call: Call, aggregate_id: str, seq_id: int) -> Future | None:
