@@ -181,6 +181,10 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
         print(f"tinsmith gRPC at {system.grpc_target}", flush=True)
         for name in SERVICES:
             print(f"tinsmith {name} metrics at {system.metrics_url(name)}", flush=True)
+        for name in SERVICES:
+            device = system.facts.get(name, {}).get("device")
+            if device:
+                print(f"tinsmith {name} computes on {device}", flush=True)
         print(f"tinsmith ready at {system.url}", flush=True)
         while True:
             info = signal.sigtimedwait(watched, 5.0)

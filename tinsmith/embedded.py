@@ -115,6 +115,9 @@ class System:
     grpc_port: int = 0
     # Each service's health and metrics port (/livez, /readyz, /metrics), picked at start.
     health_ports: dict[str, int] = field(default_factory=dict)
+    # What each service stated about itself when it answered ready (health.state_fact), such as
+    # the device an engine computes on.
+    facts: dict[str, dict[str, str]] = field(default_factory=dict)
     # The gateway's authentication mode (tinsmith/tenants.py), passed to every service as
     # TINSMITH_AUTH; empty: whatever this environment says.
     auth_mode: str = ""
@@ -226,7 +229,8 @@ class System:
                 while True:
                     self._check_alive()
                     try:
-                        await nc.request(subjects.ping_subject(name), b"", timeout=1.0)
+                        reply = await nc.request(subjects.ping_subject(name), b"", timeout=1.0)
+                        self.facts[name] = _facts(reply.data)
                         break
                     except (NoRespondersError, NatsTimeout):
                         await asyncio.sleep(0.1)
@@ -264,3 +268,14 @@ class System:
             if process.poll() is not None:
                 return name
         return None
+
+
+def _facts(reply: bytes) -> dict[str, str]:
+    """A readiness ping's answer: the facts a service states (JSON), or none (an older one)."""
+    try:
+        found = json.loads(reply)
+    except ValueError:
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {str(k): str(v) for k, v in found.items()}

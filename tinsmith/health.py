@@ -5,7 +5,8 @@ Owns: a small HTTP server (aiohttp) with two routes, and the readiness checks a 
 - ``GET /livez``: 200 while the process's event loop answers. Compute runs on its own thread, so
   a long step or a model load does not make a process look dead.
 - ``GET /readyz``: 200 when every registered check passes, else 503; the JSON body names each
-  check and its result, so an operator sees why a pod is not ready.
+  check and its result, so an operator sees why a pod is not ready, and the facts the process
+  states about itself (``state_fact``: the device an engine computes on).
 
 The server listens on ``TINSMITH_HEALTH_PORT`` (unset or empty: no server), on the service's own
 host: ``TINSMITH_HEALTH_HOST``, else ``TINSMITH_HOST``, else loopback. The kustomize base sets
@@ -32,6 +33,19 @@ HOST_VARIABLE = "TINSMITH_HEALTH_HOST"
 
 Check = Callable[[], bool]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# What this process states about itself for operators (say, the device an engine computes on):
+# shown in /readyz, answered to the readiness ping, which ``tinsmith up`` prints.
+_FACTS: dict[str, str] = {}
+
+
+def state_fact(name: str, value: str) -> None:
+    """Publish one fact about this process, e.g. ``state_fact("device", "cuda:0 (...)")``."""
+    _FACTS[name] = value
+
+
+def facts() -> dict[str, str]:
+    return dict(_FACTS)
 
 
 def port_from_env() -> int | None:
@@ -111,6 +125,6 @@ class HealthServer:
         checks = self.readiness()
         ready = all(checks.values())
         return web.json_response(
-            {"service": self.service, "ready": ready, "checks": checks},
+            {"service": self.service, "ready": ready, "checks": checks, "facts": facts()},
             status=200 if ready else 503,
         )

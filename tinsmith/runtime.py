@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import math
 import os
@@ -230,7 +231,7 @@ async def _start(
     cleanup = await start(bus)
 
     async def pong(_: bytes) -> bytes:
-        return b"ok"
+        return json.dumps(health.facts()).encode()
 
     await bus.serve(subjects.ping_subject(name), pong)
     return cleanup
