@@ -111,7 +111,7 @@ class Sampler:
             "sampler-compute",
             engine.init_compute_thread,
             device=engine.device,
-            gpu_clock=gpu.cuda_clock(),
+            gpu_clock=gpu.cuda_clock(engine.device()),
         )
         self._held: dict[int, _Held] = {}
         self._tickets = itertools.count()
@@ -123,7 +123,7 @@ class Sampler:
 
     async def start(self) -> None:
         telemetry.observe_models(self.engine.loaded)
-        gpu.observe_memory()
+        gpu.observe_memory(self.engine.device())
         telemetry.observe(
             "tinsmith.queue.depth",
             lambda: {(("tinsmith.queue", "sampler.local"),): float(len(self._held))},
