@@ -42,6 +42,8 @@ from tinsmith.limits import MAX_TOPK_LOGPROBS
 from tinsmith.tensors import sparse_cells
 
 if TYPE_CHECKING:
+    from services.device import Placement
+
     from .config import SamplerConfig
 
 # What the SDK reads as "no entry" in a top-k matrix (tinker.types.topk_logprobs).
@@ -95,6 +97,10 @@ class Engine(Protocol):
     def device(self) -> str:
         """Where the models compute (``cpu``, ``cuda:0``)."""
 
+    def describe(self) -> str:
+        """Where and how the models compute, in a line for logs and /readyz (the device, its
+        memory and the weights' dtype)."""
+
     def add(self, ticket: int, command: bus.Sample, adapter_dir: Path | None = None) -> None:
         """Queue a request; it joins the running batch at the next ``step``. ``adapter_dir`` holds
         its adapter (PEFT format) when the engine does not have it yet: loading and queueing are
@@ -119,9 +125,14 @@ class Engine(Protocol):
         engine does not hold is ignored."""
 
 
-def make_engine(config: SamplerConfig) -> Engine:
-    """The engine ``config.engine`` names: ``torch`` or ``vllm``. ``rows_per_request`` is the
-    torch engine's (vLLM's scheduler shares its batch by itself)."""
+def make_engine(config: SamplerConfig, placement: Placement | None = None) -> Engine:
+    """The engine ``config.engine`` names: ``torch`` or ``vllm``, on ``placement`` (the service
+    passes ``device.placement_from_env()``; without one, the torch engine computes on the CPU in
+    float32 and vLLM where it runs by default). ``rows_per_request`` is the torch engine's
+    (vLLM's scheduler shares its batch by itself). vLLM runs where it runs in this process (the
+    current CUDA device, or the CPU with its CPU build): a placement elsewhere is refused
+    (``DeviceError``), never ignored; the placement's dtype and its budget's share of the GPU
+    are vLLM's weights dtype and ``gpu_memory_utilization``."""
     adapter_cache_bytes = config.adapter_cache_mb << 20
     if config.engine == "torch":
         from .torch_engine import TorchEngine
@@ -131,26 +142,58 @@ def make_engine(config: SamplerConfig) -> Engine:
             config.torch_threads,
             adapter_cache_bytes=adapter_cache_bytes,
             rows_per_request=config.rows_per_request,
+            placement=placement,
         )
         return engine
     if config.engine == "vllm":
         from .vllm_engine import VllmEngine
 
-        return VllmEngine(
-            config.cache_dir, config.torch_threads, adapter_cache_bytes=adapter_cache_bytes
+        if placement is None:
+            return VllmEngine(
+                config.cache_dir, config.torch_threads, adapter_cache_bytes=adapter_cache_bytes
+            )
+        from services import device
+
+        vllm = VllmEngine(
+            config.cache_dir,
+            config.torch_threads,
+            adapter_cache_bytes=adapter_cache_bytes,
+            dtype=str(placement.dtype).removeprefix("torch."),
+            memory_fraction=_share(placement),
         )
+        where = vllm.device()
+        if str(placement.device) != where:
+            raise device.DeviceError(
+                f"{device.DEVICE_VARIABLE} asks for {placement.device}, but the vLLM engine "
+                f"computes on {where} in this process: set {device.DEVICE_VARIABLE}={where} "
+                "(CUDA_VISIBLE_DEVICES picks the GPU), or TINSMITH_SAMPLER_ENGINE=torch"
+            )
+        return vllm
     raise ValueError(
         f"TINSMITH_SAMPLER_ENGINE={config.engine!r}: the engines are 'torch' and 'vllm'"
     )
 
 
+def _share(placement: Placement) -> float:
+    """The placement's budget as a share of its GPU's memory (vLLM's
+    ``gpu_memory_utilization``); 0 off a CUDA device."""
+    from services import device
+
+    if placement.device.type != "cuda":
+        return 0.0
+    return min(1.0, placement.memory_bytes / device.total_memory(placement.device))
+
+
 def default_engine_kind() -> str:
     """``TINSMITH_SAMPLER_ENGINE`` when set; otherwise vLLM where it is installed and a GPU is
-    present, else torch."""
+    present (and ``TINSMITH_DEVICE`` does not ask for another device), else torch."""
     kind = os.environ.get("TINSMITH_SAMPLER_ENGINE", "")
     if kind:
         return kind
     if importlib.util.find_spec("vllm") is None:
+        return "torch"
+    wanted = os.environ.get("TINSMITH_DEVICE", "").strip().lower() or "auto"
+    if wanted != "auto" and not wanted.startswith("cuda"):
         return "torch"
     import torch
 

@@ -38,6 +38,31 @@ prompts that raises runs again for each alone, so only the culprit fails. A deco
 raises, which no one request can be blamed for, fails the requests of its batch: the engine
 itself goes on, and its next step starts clean.
 
+Device and precision (``services/device.py``'s ``Placement``): the base weights live on
+``placement.device`` in ``placement.dtype`` (bfloat16 by default on a GPU, float32 on the CPU),
+and so does every tensor the engine makes: token ids, masks, positions, sampling tensors and
+each sequence's generator. Adapters are loaded onto the device in float32, whatever the base's
+dtype: the trainer keeps LoRA parameters in float32 beside a bfloat16 base, and PEFT computes a
+float32 adapter's path in float32 (the input cast up, the output cast back to the base's dtype),
+so the sampler's adapted forward is the trainer's; an adapter's weights are small beside the
+base's. Logits are cast to float32 before anything reads them: temperature, top-k, top-p, the
+log-softmax and every logprob returned. One code path serves CUDA, MPS and the CPU. A seeded
+sequence is reproducible on one device and torch version; across devices its tokens can differ
+(another generator, other kernels: bfloat16 moves logits by far more than float32 rounding).
+
+Memory is a budget (``placement.memory_bytes``, ``TINSMITH_DEVICE_MEMORY_MB``; memory.py counts
+it): the engine counts what it holds (base weights, adapters, prompts kept for later slices) and
+reserves each running row's KV cache at its last token, with a step's working memory. Waiting
+sequences get rows only while that fits: a request whose sequences do not all fit gets as many
+rows as do (a slice, as above), and one that gets none holds the line (the requests behind it
+wait too, so that smaller ones cannot starve it) until rows finish. Adapters no request uses are
+evicted first when that makes room. A request that could not fit even alone is refused at
+``add`` with what it needs and the budget. A step that runs out of device memory all the same
+(another process took it, or an estimate fell short) fails the requests of that step
+(``Unavailable``, to send again), drops their rows and cache, gives the allocator's free blocks
+back, and the engine goes on with the others; a prefill of several prompts that runs out is
+retried prompt by prompt.
+
 Owns: every torch call of the sampler, the sampling rules, admission to the batch and the adapter
 cache (LRU, bounded by the adapters' bytes; adapters that queued or running requests use are
 never evicted).
@@ -45,6 +70,7 @@ never evicted).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -62,10 +88,13 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from services import device
+from services.device import DEVICE_VARIABLE, MEMORY_VARIABLE, Placement
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import Unprocessable
+from tinsmith.failures import InvalidRequest, Unavailable, Unprocessable
+from tinsmith.limits import mib
 
 from .engine import (
     DEFAULT_ADAPTER_CACHE_BYTES,
@@ -83,6 +112,7 @@ from .engine import (
     target_message,
     topk_message,
 )
+from .memory import Ask, Costs, Plan, Rows
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +144,8 @@ class _Base:
     # Whether its cache layers are plain (no sliding window): only those can be left-padded and
     # joined, so only those take requests while a batch runs, and in slices.
     plain: bool
+    costs: Costs  # what its rows take on the device
+    weight_bytes: int  # its weights and buffers on the device
     adapters: OrderedDict[str, _Adapter] = field(default_factory=OrderedDict)  # LRU first
     loaded: int = 0  # adapters ever loaded, for unique PEFT names
 
@@ -192,11 +224,17 @@ class TorchEngine:
         adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES,
         max_rows: int = DEFAULT_MAX_ROWS,
         rows_per_request: int = DEFAULT_ROWS_PER_REQUEST,
+        placement: Placement | None = None,
     ) -> None:
+        """``placement``: where to compute, in what dtype, within what memory (the service
+        passes ``device.placement_from_env()``); by default the CPU in float32, with the
+        machine's memory, as the tests and tools use it."""
         if max_rows < 1 or rows_per_request < 1:
             raise ValueError("max_rows and rows_per_request must be at least 1")
         self.cache_dir = cache_dir
         self.threads = threads
+        cpu = torch.device("cpu")
+        self.placement = placement or Placement(cpu, torch.float32, device.total_memory(cpu))
         self.adapter_cache_bytes = adapter_cache_bytes
         self.max_rows = max_rows
         self.rows_per_request = min(rows_per_request, max_rows)
@@ -208,9 +246,16 @@ class TorchEngine:
         self._batches: dict[str, _Batch] = {}
         self._requests: dict[int, _Request] = {}
         self._streamed: dict[int, _Request] = {}  # the requests that report their progress
+        self._out_of_memory = False  # a step ran out: give the allocator's blocks back after it
 
     def init_compute_thread(self) -> None:
         torch.set_num_threads(self.threads)
+        if self.placement.device.type == "cuda":  # the current device of this thread's streams
+            torch.cuda.set_device(self.placement.device)
+
+    def describe(self) -> str:
+        """Where it computes, for logs and /readyz."""
+        return f"{self.placement.describe()} (torch engine)"
 
     # -- models and adapters ------------------------------------------------------------------
 
@@ -221,17 +266,39 @@ class TorchEngine:
         base = self.bases.get(name)
         if base is None:
             directory = models.materialize(name, self.cache_dir)
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            placement = self.placement
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=placement.dtype)
             model.requires_grad_(False)
             model.eval()  # type: ignore[no-untyped-call]
+            try:
+                torch.nn.Module.to(model, placement.device)
+            except Exception as exc:
+                if not device.is_out_of_memory(exc):
+                    raise
+                raise Unavailable(
+                    f"the base model {name!r} does not fit on {placement.device} "
+                    f"({_weight_bytes(model) / 2**30:.1f} GiB of weights in {placement.dtype}): "
+                    f"{str(exc).splitlines()[0]}"
+                ) from None
             config = json.loads((directory / "config.json").read_text())
             eos_ids = eos_ids_of(config)
             tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
             embeddings = model.get_input_embeddings()
             assert isinstance(embeddings, torch.nn.Embedding)
+            vocab = embeddings.num_embeddings
             plain = _mergeable(DynamicCache(config=model.config))
-            base = _Base(name, model, tokenizer, eos_ids, embeddings.num_embeddings, plain)
+            dtype_bytes = torch.empty((), dtype=placement.dtype).element_size()
+            costs = Costs.of(config, dtype_bytes, vocab)
+            base = _Base(name, model, tokenizer, eos_ids, vocab, plain, costs, _weight_bytes(model))
             self.bases[name] = base
+            log.info(
+                "loaded %s on %s in %s: %s of weights, %s of KV cache per token of a sequence",
+                name,
+                placement.device,
+                str(placement.dtype).removeprefix("torch."),
+                mib(base.weight_bytes),
+                f"{costs.column / 1024:.1f} KiB",
+            )
         return base
 
     def has_adapter(self, base_model: str, key: str) -> bool:
@@ -242,9 +309,7 @@ class TorchEngine:
         return {name: len(base.adapters) for name, base in list(self.bases.items())}
 
     def device(self) -> str:
-        for base in list(self.bases.values()):
-            return str(next(base.model.parameters()).device)
-        return "cpu"
+        return str(self.placement.device)
 
     def adapter_bytes(self, base_model: str) -> int:
         base = self.bases.get(base_model)
@@ -257,19 +322,50 @@ class TorchEngine:
             self._load_adapter(base, key, directory)
 
     def _load_adapter(self, base: _Base, key: str, directory: Path) -> None:
+        """Load an adapter onto the device, in float32 (PEFT's ``autocast_adapter_dtype``, and
+        checked: see the module's docstring). One that fails to load leaves nothing behind."""
         name = f"a{base.loaded}"
         base.loaded += 1
-        if isinstance(base.model, PeftModel):
-            base.model.load_adapter(str(directory), adapter_name=name)
+        target = str(self.placement.device)
+        try:
+            if isinstance(base.model, PeftModel):
+                base.model.load_adapter(
+                    str(directory),
+                    adapter_name=name,
+                    torch_device=target,
+                    autocast_adapter_dtype=True,
+                )
+            else:
+                base.model = PeftModel.from_pretrained(
+                    base.model,
+                    str(directory),
+                    adapter_name=name,
+                    torch_device=target,
+                    autocast_adapter_dtype=True,
+                )
+            base.model.eval()
+            marker = f".{name}."
+            params = [p for n, p in base.model.named_parameters() if marker in n]
+            for param in params:
+                if param.device != self.placement.device or param.dtype != torch.float32:
+                    param.data = param.data.to(self.placement.device, torch.float32)
+        except Exception as exc:
+            if isinstance(base.model, PeftModel) and name in base.model.peft_config:
+                with contextlib.suppress(Exception):  # the load's own error is the one to tell
+                    _drop_adapter(base, name)
+            if not device.is_out_of_memory(exc):
+                raise
+            error = Unavailable(
+                f"the adapter {key!r} does not fit on {self.placement.device} now: "
+                f"{str(exc).splitlines()[0]}"
+            )
         else:
-            base.model = PeftModel.from_pretrained(base.model, str(directory), adapter_name=name)
-        base.model.eval()
-        marker = f".{name}."
-        nbytes = sum(
-            p.numel() * p.element_size() for n, p in base.model.named_parameters() if marker in n
-        )
-        base.adapters[key] = _Adapter(name, nbytes)
-        self._evict(base, keep=key)
+            nbytes = sum(p.numel() * p.element_size() for p in params)
+            base.adapters[key] = _Adapter(name, nbytes)
+            self._evict(base, keep=key)
+            return
+        device.release(self.placement.device)
+        raise error
 
     def _evict(self, base: _Base, keep: str) -> None:
         """Drop what ``keep`` (just loaded) supersedes, and keep the cache within its bound
@@ -279,8 +375,7 @@ class TorchEngine:
         sizes = {key: a.nbytes for key, a in base.adapters.items()}
         for key in evictions(sizes, self.adapter_cache_bytes, in_use, keep):
             adapter = base.adapters.pop(key)
-            assert isinstance(base.model, PeftModel)
-            base.model.delete_adapter(adapter.name)
+            _drop_adapter(base, adapter.name)
             log.info("evicted adapter %s (%d bytes) from %s", key, adapter.nbytes, base.name)
 
     # -- requests ------------------------------------------------------------------------------
@@ -301,6 +396,9 @@ class TorchEngine:
         params = command.params
         seed = params.seed if params.HasField("seed") else random.getrandbits(63)
         request = _Request(ticket, command, base, adapter, stop_ids, stop_strs, seed)
+        refusal = self._never_fits(request)
+        if refusal is not None:
+            raise refusal
         request.unfinished = request.left
         self._requests[ticket] = request
         self._waiting.append(request)
@@ -353,20 +451,56 @@ class TorchEngine:
     def step(self) -> Finished:
         finished: Finished = []
         self._admit(finished)
-        for name, batch in list(self._batches.items()):
+        self._decode_all(finished)
+        if self._out_of_memory:
+            # The failed steps' tensors are gone with their frames: give the allocator's free
+            # blocks back, so that what the engine plans against is what is really held.
+            self._out_of_memory = False
+            device.release(self.placement.device)
+        for ticket, _ in finished:
+            self._requests.pop(ticket, None)
+        return finished
+
+    def _decode_all(self, finished: Finished) -> None:
+        for name in list(self._batches):
+            batch = self._batches[name]
             try:
                 going = self._decode(batch, finished)
             except Exception as exc:
                 # Its forward, which no one request can be blamed for: the requests in it fail,
                 # and the engine goes on without the batch.
-                log.exception("a decoding step of %d rows failed", len(batch.rows))
-                self._fail_all(batch.rows, exc, finished)
+                error = self._failure(exc, f"decoding {len(batch.rows)} sequences of {name}")
+                if error is exc:
+                    log.exception("a decoding step of %d rows failed", len(batch.rows))
+                self._fail_all(batch.rows, error, finished)
                 going = False
             if not going:
                 del self._batches[name]
-        for ticket, _ in finished:
-            self._requests.pop(ticket, None)
-        return finished
+
+    def _failure(self, exc: Exception, what: str) -> Exception:
+        """What to fail requests with for ``exc``, raised while doing ``what``: itself, or, when
+        the device ran out of memory, an ``Unavailable`` that says so (and no reference to the
+        frames that hold the step's tensors: ``step`` gives the allocator's blocks back once
+        they are gone)."""
+        if not device.is_out_of_memory(exc):
+            return exc
+        self._out_of_memory = True
+        where = self.placement.device
+        held = self._plan().total()
+        log.warning(
+            "%s ran out of memory while %s (the plan held %s of a budget of %s): %s",
+            where,
+            what,
+            mib(held),
+            mib(self.placement.memory_bytes),
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+        return Unavailable(
+            f"the sampler's device {where} ran out of memory while {what}: this request's "
+            "sequences were dropped, and it can be sent again. The sampler plans within "
+            f"{mib(self.placement.memory_bytes)} ({MEMORY_VARIABLE}) and held {mib(held)} by its "
+            f"own count; if other processes use {where}, lower {MEMORY_VARIABLE}"
+        )
 
     def _fail(self, request: _Request, error: Exception, finished: Finished) -> None:
         """Fail one request alone: its outcome is ``error``, and its rows leave the batch at the
@@ -391,28 +525,160 @@ class TorchEngine:
             if request in queue:
                 queue.remove(request)
 
+    # -- memory ---------------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        """What the engine holds on its device by its own count, in bytes: ``weights``,
+        ``adapters``, ``prompts`` (kept for later slices), ``kv`` (the running batches' caches,
+        masks, positions and logits as they are now), ``planned`` (what admission plans against:
+        all of it, each running row's cache at its last token, and a step's working memory)
+        and the ``budget``."""
+        weights, adapters, prompts = self._held()
+        return {
+            "weights": weights,
+            "adapters": adapters,
+            "prompts": prompts,
+            "kv": self._row_bytes(),
+            "planned": self._plan().total(),
+            "budget": self.placement.memory_bytes,
+        }
+
+    def _row_bytes(self) -> int:
+        """The running batches' caches, masks, positions and logits as they are now."""
+        total = 0
+        for batch in list(self._batches.values()):
+            for layer in batch.cache.layers:  # sliding-window layers too
+                for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    total += part.nbytes if isinstance(part, torch.Tensor) else 0
+            total += batch.mask.nbytes + batch.positions.nbytes + batch.logits.nbytes
+        return total
+
+    def _held(self) -> tuple[int, int, int]:
+        """The bytes of the base weights, the adapters and the kept prompts."""
+        weights = sum(base.weight_bytes for base in self.bases.values())
+        adapters = sum(a.nbytes for base in self.bases.values() for a in base.adapters.values())
+        prompts = 0
+        for request in self._requests.values():
+            if request.prompt is not None:
+                prompts += request.prompt.logits.nbytes
+                prompts += sum(k.nbytes + v.nbytes for k, v in request.prompt.layers)
+        return weights, adapters, prompts
+
+    def _plan(self) -> Plan:
+        """The memory as it is, with the running rows reserved to their last tokens. What is
+        not rows is the engine's count, or, where torch counts the device's tensors (CUDA,
+        MPS) and they take more (what the engine does not see: the allocator's rounding, a
+        library's own buffers), that measure less the rows' tensors."""
+        held = sum(self._held())
+        measured = device.allocated(self.placement.device)
+        if measured:
+            held = max(held, measured - self._row_bytes())
+        plan = Plan(self.placement.memory_bytes, held, self.rows_per_request, {})
+        for name, batch in self._batches.items():
+            remaining = sum(
+                max(row.request.command.params.max_tokens - len(row.tokens), 0)
+                for row in batch.rows
+            )
+            plan.bases[name] = Rows(
+                self.bases[name].costs,
+                rows=len(batch.rows),
+                width=int(batch.mask.shape[1]),
+                remaining=remaining,
+            )
+        return plan
+
+    def _never_fits(self, request: _Request) -> InvalidRequest | None:
+        """The refusal of a request that could not fit the budget even alone: its first slice
+        (one sequence; every sequence for a model that admits requests whole) with its prefill,
+        beside every base model's weights and its own adapter."""
+        base = request.base
+        adapter = (
+            base.adapters[request.command.adapter_key] if request.command.adapter_key else None
+        )
+        weights = sum(b.weight_bytes for b in self.bases.values())
+        fixed = weights + (adapter.nbytes if adapter else 0)
+        budget = self.placement.memory_bytes
+        plan = Plan(budget, fixed, self.rows_per_request, {})
+        ask = _ask(request)
+        rows = min(1, ask.left) if base.plain else ask.left
+        need = plan.need(base.name, base.costs, ask, rows)
+        if need <= budget:
+            return None
+        plan.take(base.name, base.costs, ask, rows)
+        parts = plan.bases[base.name].parts(self.rows_per_request)
+        command = request.command
+        scored = (
+            f", keeping the logits of all {ask.prompt} prompt positions for its prompt scores"
+            if ask.scores
+            else ""
+        )
+        sequences = f"{rows} sequence" + ("s" if rows != 1 else "")
+        whole = "" if base.plain else " (this model's cache admits a request's sequences at once)"
+        return InvalidRequest(
+            f"this sample request needs {mib(need)} of the sampler's memory on "
+            f"{self.placement.device} even alone, more than its budget of {mib(budget)} "
+            f"({MEMORY_VARIABLE}): {mib(parts['kv'])} of KV cache for {sequences} of "
+            f"{ask.prompt} prompt + {command.params.max_tokens} sampled tokens{whole}, "
+            f"{mib(parts['prefill'] + parts['step'])} of working memory to prefill and sample"
+            f"{scored}, beside {mib(fixed)} of model weights"
+            + (" and adapter" if adapter else "")
+            + f". Ask for fewer tokens, or give the sampler more memory ({MEMORY_VARIABLE}, "
+            f"{DEVICE_VARIABLE})"
+        )
+
+    def _evict_idle(self, excess: int) -> int:
+        """Drop adapters that no queued or running request uses, least recently used first,
+        until ``excess`` bytes are freed or none is left; the bytes freed."""
+        in_use = {(r.base.name, r.adapter) for r in self._requests.values()}
+        freed = 0
+        for base in self.bases.values():
+            for key, adapter in list(base.adapters.items()):
+                if freed >= excess:
+                    return freed
+                if (base.name, adapter.name) in in_use:
+                    continue
+                del base.adapters[key]
+                _drop_adapter(base, adapter.name)
+                freed += adapter.nbytes
+                log.info(
+                    "evicted adapter %s (%d bytes) from %s to make room in the memory budget",
+                    key,
+                    adapter.nbytes,
+                    base.name,
+                )
+        return freed
+
+    # -- admission ------------------------------------------------------------------------------
+
     def _admit(self, finished: Finished) -> None:
         """Give waiting sequences rows, in the order of the waiting line: each request at most
-        ``rows_per_request`` at a time, the batch at most ``max_rows``. A request that got rows
-        for some of its sequences only goes to the back of the line, or, when it holds its
-        share, leaves the line until some of its rows finish and then goes to the back: behind
-        the requests that came meanwhile. One that got none keeps its place. New prompts are
-        prefilled; later slices reuse their request's prefilled prompt."""
+        ``rows_per_request`` at a time, the batch at most ``max_rows``, and all of it within the
+        memory budget. A request that got rows for some of its sequences only goes to the back of
+        the line, or, when it holds its share, leaves the line until some of its rows finish and
+        then goes to the back: behind the requests that came meanwhile. One that got none for
+        want of rows keeps its place; one that got none for want of memory keeps its place and
+        holds the line (unless nothing runs, when only what other waiting requests keep could be
+        in its way; one that could not fit even then is failed). New prompts are prefilled;
+        later slices reuse their request's prefilled prompt."""
         parked = self._parked
         self._parked = [r for r in parked if r.running >= self.rows_per_request]
         self._waiting.extend(r for r in parked if r.running < self.rows_per_request)
         line, self._waiting = self._waiting, []
         used = {name: len(batch.rows) for name, batch in self._batches.items()}
+        plan = self._plan()
         fresh: dict[str, list[tuple[_Request, int]]] = {}  # to prefill, with rows to give
         more: dict[str, list[tuple[_Request, int]]] = {}  # prefilled already
         behind: list[_Request] = []
+        blocked = False
         for request in line:
+            if blocked:
+                self._waiting.append(request)
+                continue
             name = request.base.name
             left = request.left
             if not request.prefilled and left == 0:  # only its prompt to score
-                fresh.setdefault(name, []).append((request, 0))
-                continue
-            if request.base.plain:
+                take = 0
+            elif request.base.plain:
                 room = self.max_rows - used.get(name, 0)
                 take = min(left, self.rows_per_request - request.running, room)
             else:
@@ -421,9 +687,21 @@ class TorchEngine:
                 alone = name not in self._batches and used.get(name, 0) == 0
                 fits = name not in self._batches and used.get(name, 0) + left <= self.max_rows
                 take = left if alone or fits else 0
-            if take <= 0:
+            if take <= 0 and left > 0:
                 self._waiting.append(request)
                 continue
+            fit = self._fit(plan, request, take)
+            if fit is None:
+                idle = not self._batches and not fresh and not more
+                if not idle:
+                    blocked = True
+                elif (refusal := self._never_fits(request)) is not None:
+                    self._fail(request, refusal, finished)
+                    continue
+                self._waiting.append(request)
+                continue
+            take = fit
+            plan.take(name, request.base.costs, _ask(request), take)
             used[name] = used.get(name, 0) + take
             (more if request.prefilled else fresh).setdefault(name, []).append((request, take))
             if take < left and request.running + take >= self.rows_per_request:
@@ -437,33 +715,65 @@ class TorchEngine:
                 try:
                     parts.append(self._from_prompts(more[name]))
                 except Exception as exc:  # copying prompts, which is no one request's doing
-                    log.exception("could not give rows to %d requests", len(more[name]))
+                    error = self._failure(exc, f"giving rows to {len(more[name])} requests")
+                    if error is exc:
+                        log.exception("could not give rows to %d requests", len(more[name]))
                     for request, _ in more[name]:
-                        self._fail(request, exc, finished)
+                        self._fail(request, error, finished)
             for part in parts:
                 running = self._batches.get(name)
                 try:
-                    self._batches[name] = part if running is None else _merge(running, part)
+                    if running is None:
+                        self._batches[name] = part
+                    else:
+                        _merge_into(running, part)
                 except Exception as exc:  # joining them, which is no one request's doing
-                    log.exception("could not merge %d new rows into the batch", len(part.rows))
-                    self._fail_all(part.rows, exc, finished)
+                    error = self._failure(exc, f"merging {len(part.rows)} new sequences")
+                    if error is exc:
+                        log.exception("could not merge %d new rows into the batch", len(part.rows))
+                    self._fail_all(part.rows, error, finished)
+
+    def _fit(self, plan: Plan, request: _Request, want: int) -> int | None:
+        """How many of ``want`` rows ``request`` gets within the budget (all of them, for a
+        model that admits requests whole; 0 for one that only scores its prompt), evicting
+        adapters no request uses when that makes room for more; None when it gets none."""
+        base = request.base
+        ask = _ask(request)
+        least = (1 if base.plain else want) if want else 0
+        fit = plan.fitting(base.name, base.costs, ask, want)
+        if fit < want:  # rows before idle adapters
+            freed = self._evict_idle(plan.need(base.name, base.costs, ask, want) - plan.budget)
+            if freed:
+                plan.held -= freed
+                fit = plan.fitting(base.name, base.costs, ask, want)
+        if fit < least:
+            return None
+        return fit if base.plain else want
 
     def _prefill_isolating(
         self, slices: list[tuple[_Request, int]], finished: Finished
     ) -> list[_Batch]:
         """Prefill the requests of ``slices`` together; if that forward fails, each alone, so
-        that only the culprit fails."""
+        that only the culprit fails (after an out-of-memory error, with the allocator's free
+        blocks given back first)."""
         if not slices:
             return []
         try:
             forward = self._prefill(slices)
         except Exception as exc:
+            error = self._failure(exc, f"prefilling {len(slices)} prompts")
             if len(slices) == 1:
-                self._fail(slices[0][0], exc, finished)
+                self._fail(slices[0][0], error, finished)
                 return []
-            log.exception("a prefill of %d requests failed; running them one by one", len(slices))
-            return [b for one in slices for b in self._prefill_isolating([one], finished)]
-        return self._prefilled(slices, forward, finished)
+            if error is exc:
+                log.exception(
+                    "a prefill of %d requests failed; running them one by one", len(slices)
+                )
+        else:
+            return self._prefilled(slices, forward, finished)
+        if self._out_of_memory:  # the failed forward's tensors are gone with its frames
+            device.release(self.placement.device)
+        return [b for one in slices for b in self._prefill_isolating([one], finished)]
 
     def _forward(self, base: _Base, adapters: list[str], **inputs: object) -> Any:
         """One forward of rows that may each use a different adapter (PEFT mixed batches)."""
@@ -478,6 +788,7 @@ class TorchEngine:
         requests = [request for request, _ in slices]
         lengths = [len(r.command.prompt) for r in requests]
         width = max(lengths)
+        # Built on the CPU, moved to the device at once.
         input_ids = torch.zeros((len(requests), width), dtype=torch.long)
         mask = torch.zeros((len(requests), width), dtype=torch.long)
         positions = torch.zeros((len(requests), width), dtype=torch.long)
@@ -486,13 +797,15 @@ class TorchEngine:
             input_ids[i, pad:] = torch.tensor(list(request.command.prompt), dtype=torch.long)
             mask[i, pad:] = 1
             positions[i, pad:] = torch.arange(lengths[i])
+        where = self.placement.device
+        mask = mask.to(where)
         want_prompt = any(_wants_prompt_scores(r.command) for r in requests)
         out = self._forward(
             requests[0].base,
             [r.adapter for r in requests],
-            input_ids=input_ids,
+            input_ids=input_ids.to(where),
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=positions.to(where),
             use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
         )
@@ -523,26 +836,37 @@ class TorchEngine:
                 rows.extend(self._start(request, take))
                 owners.extend([i] * take)
             except Exception as exc:
-                self._fail(request, exc, finished)
+                self._fail(request, self._failure(exc, "scoring a prompt"), finished)
         if not owners:
             return []
-        index = torch.tensor(owners, dtype=torch.long)
-        cache = prefill.cache
-        cache.reorder_cache(index)  # type: ignore[arg-type]
-        batch = _Batch(
-            rows=rows,
-            cache=cache,
-            mask=prefill.mask[index],
-            logits=prefill.logits[:, -1, :].float()[index],
-            positions=torch.tensor([prefill.lengths[i] for i in owners], dtype=torch.long),
-        )
+        try:
+            index = torch.tensor(owners, dtype=torch.long, device=self.placement.device)
+            cache = prefill.cache
+            cache.reorder_cache(index)  # type: ignore[arg-type]
+            batch = _Batch(
+                rows=rows,
+                cache=cache,
+                mask=prefill.mask[index],
+                logits=prefill.logits[:, -1, :].float()[index],
+                positions=torch.tensor(
+                    [prefill.lengths[i] for i in owners],
+                    dtype=torch.long,
+                    device=self.placement.device,
+                ),
+            )
+        except Exception as exc:  # copying the cache to rows, which is no one request's doing
+            error = self._failure(exc, f"copying {len(rows)} new sequences' cache")
+            if error is exc:
+                log.exception("could not give rows to %d requests", len(slices))
+            self._fail_all(rows, error, finished)
+            return []
         return [batch]
 
     def _start(self, request: _Request, take: int) -> list[_Sequence]:
         """Rows for the next ``take`` sequences of ``request``, each with its own generator."""
         first = len(request.sequences)
         rows = [
-            _Sequence(request, torch.Generator().manual_seed(_stream_seed(request.seed, n)))
+            _Sequence(request, self._generator(_stream_seed(request.seed, n)))
             for n in range(first, first + take)
         ]
         request.sequences.extend(rows)
@@ -551,12 +875,17 @@ class TorchEngine:
             request.prompt = None
         return rows
 
+    def _generator(self, seed: int) -> torch.Generator:
+        """A generator on the device (sampling draws where the probabilities are)."""
+        return torch.Generator(device=self.placement.device).manual_seed(seed)
+
     @torch.inference_mode()
     def _from_prompts(self, slices: list[tuple[_Request, int]]) -> _Batch:
         """The rows of later slices, from their requests' kept prompts (no forward)."""
         prompts = [(request.prompt, take) for request, take in slices]
         assert all(prompt is not None for prompt, _ in prompts)
         width = max(prompt.length for prompt, _ in prompts if prompt is not None)
+        where = self.placement.device
 
         def rows_of(x: torch.Tensor, length: int, take: int) -> torch.Tensor:
             padded = F.pad(x, [0, 0, width - length, 0])  # on the left of the columns
@@ -574,19 +903,15 @@ class TorchEngine:
         masks, logits, positions = [], [], []
         for prompt, take in prompts:
             assert prompt is not None
-            mask = torch.zeros((take, width), dtype=torch.long)
+            mask = torch.zeros((take, width), dtype=torch.long, device=where)
             mask[:, width - prompt.length :] = 1
             masks.append(mask)
             logits.append(prompt.logits.expand(take, -1))
-            positions.append(torch.full((take,), prompt.length, dtype=torch.long))
+            positions.append(torch.full((take,), prompt.length, dtype=torch.long, device=where))
+        cache = DynamicCache(ddp_cache_data=layers)
+        mask, logit, position = torch.cat(masks), torch.cat(logits), torch.cat(positions)
         rows = [row for request, take in slices for row in self._start(request, take)]
-        return _Batch(
-            rows=rows,
-            cache=DynamicCache(ddp_cache_data=layers),
-            mask=torch.cat(masks),
-            logits=torch.cat(logits),
-            positions=torch.cat(positions),
-        )
+        return _Batch(rows=rows, cache=cache, mask=mask, logits=logit, positions=position)
 
     @torch.inference_mode()
     def _decode(self, batch: _Batch, finished: Finished) -> bool:
@@ -596,42 +921,49 @@ class TorchEngine:
         self._forget_cancelled()
         if not batch.rows:
             return False
+        where = self.placement.device
         places = _places(batch.rows)
         peak = batch.logits.amax(dim=-1)  # NaN where a logit is NaN
         finite = torch.isfinite(peak)
         if not bool(finite.all()):
-            for request, where in places.items():
-                broken = [p for p in where if not finite[p]]
+            flags = finite.tolist()
+            for request, where_rows in places.items():
+                broken = [p for p in where_rows if not flags[p]]
                 if broken:
                     generated = len(batch.rows[broken[0]].tokens)
                     at = (
-                        f"in {len(broken)} of this request's {len(where)} running sequences "
+                        f"in {len(broken)} of this request's {len(where_rows)} running sequences "
                         f"(after {generated} sampled tokens)"
                     )
                     self._fail(request, _nonfinite(request, batch.logits[broken], at), finished)
         raw = torch.log_softmax(batch.logits, dim=-1)
-        chosen = torch.zeros(len(batch.rows), dtype=torch.long)
-        for request, where in places.items():
+        chosen = torch.zeros(len(batch.rows), dtype=torch.long, device=where)
+        for request, where_rows in places.items():
             if request.gone:
                 continue
-            index = torch.tensor(where, dtype=torch.long)
-            generators = [batch.rows[p].generator for p in where]
+            index = torch.tensor(where_rows, dtype=torch.long, device=where)
+            generators = [batch.rows[p].generator for p in where_rows]
             try:
                 chosen[index] = _choose(
                     batch.logits[index], peak[index], request.command.params, generators
                 )
             except Exception as exc:
-                self._fail(request, exc, finished)
+                self._fail(request, self._failure(exc, "sampling"), finished)
         chosen_lp = raw.gather(-1, chosen[:, None])[:, 0].tolist()
         widest = max(row.request.command.topk_sample_logprobs for row in batch.rows)
-        top = raw.topk(widest, dim=-1) if widest else None
+        top = None
+        if widest:
+            values, indices = raw.topk(widest, dim=-1)
+            top = indices.cpu().numpy(), values.cpu().numpy()
+        del raw  # before the forward: the step's working memory (memory.py) counts it so
+        tokens = chosen.tolist()
 
         for p, row in enumerate(batch.rows):
             request = row.request
             if request.gone:
                 continue
             try:
-                self._advance(row, int(chosen[p]), chosen_lp[p], top, p, finished)
+                self._advance(row, tokens[p], chosen_lp[p], top, p, finished)
             except Exception as exc:
                 self._fail(request, exc, finished)
         keep = [p for p, row in enumerate(batch.rows) if _goes_on(row)]
@@ -639,9 +971,11 @@ class TorchEngine:
             _select(batch, keep)
             self._forget_cancelled()
             return False
-        chosen = chosen[torch.tensor(keep, dtype=torch.long)]
+        chosen = chosen[torch.tensor(keep, dtype=torch.long, device=where)]
         _select(batch, keep)
-        batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
+        batch.mask = torch.cat(
+            [batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=where)], dim=1
+        )
         out = self._forward(
             batch.rows[0].request.base,
             [row.request.adapter for row in batch.rows],
@@ -661,7 +995,7 @@ class TorchEngine:
         row: _Sequence,
         token: int,
         logprob: float,
-        top: Any,
+        top: tuple[np.ndarray, np.ndarray] | None,
         p: int,
         finished: Finished,
     ) -> None:
@@ -671,8 +1005,8 @@ class TorchEngine:
         row.logprobs.append(logprob)
         k = request.command.topk_sample_logprobs
         if k and top is not None:
-            row.topk_ids.append(top.indices[p, :k].numpy())
-            row.topk_logprobs.append(top.values[p, :k].numpy())
+            row.topk_ids.append(top[0][p, :k].copy())
+            row.topk_logprobs.append(top[1][p, :k].copy())
         if token in request.stop_ids or (
             request.stop_strs
             and _ends_with_stop(request.base.tokenizer, row.tokens, request.stop_strs)
@@ -690,6 +1024,33 @@ class TorchEngine:
         for ticket, request in list(self._requests.items()):
             if request.cancelled and request.running == 0:
                 del self._requests[ticket]
+
+
+def _ask(request: _Request) -> Ask:
+    """A request's next slice, as the memory plan sees it."""
+    command = request.command
+    return Ask(
+        prompt=len(command.prompt),
+        max_tokens=command.params.max_tokens,
+        fresh=not request.prefilled,
+        scores=_wants_prompt_scores(command),
+        left=request.left,
+    )
+
+
+def _drop_adapter(base: _Base, name: str) -> None:
+    """Delete a PEFT adapter; with the last one gone, the bare model again (PEFT's forward
+    fails once its active adapter is deleted)."""
+    assert isinstance(base.model, PeftModel)
+    base.model.delete_adapter(name)
+    if not base.model.peft_config:
+        base.model = base.model.unload()
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """A model's parameters and buffers (shared ones once)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @dataclass
@@ -769,9 +1130,13 @@ def _mergeable(cache: DynamicCache) -> bool:
     return all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
-def _merge(a: _Batch, b: _Batch) -> _Batch:
-    """One batch of both: the shorter cache is left-padded with masked-out columns."""
+def _merge_into(a: _Batch, b: _Batch) -> None:
+    """Join ``b``'s rows to ``a``, the shorter cache left-padded with masked-out columns. In
+    place, one cache tensor at a time, so that the merge holds one layer twice at most, not the
+    whole cache (memory.py counts it so); ``b`` is used up. If it fails part-way, ``a`` is left
+    as it was (its merged tensors cut back to views of its own rows) and the error raised."""
     width = max(a.mask.shape[1], b.mask.shape[1])
+    ca, cb, ra = a.mask.shape[1], b.mask.shape[1], len(a.rows)
 
     def pad(x: torch.Tensor, columns: int, dim: int) -> torch.Tensor:
         missing = width - columns
@@ -780,23 +1145,24 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
         spec = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [missing, 0]
         return F.pad(x, spec)
 
-    ca, cb = a.mask.shape[1], b.mask.shape[1]
-    layers = []
-    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
-        (ka, va), (kb, vb) = _kv(la), _kv(lb)
-        layers.append(
-            (
-                torch.cat([pad(ka, ca, -2), pad(kb, cb, -2)]),
-                torch.cat([pad(va, ca, -2), pad(vb, cb, -2)]),
-            )
-        )
-    return _Batch(
-        rows=a.rows + b.rows,
-        cache=DynamicCache(ddp_cache_data=layers),
-        mask=torch.cat([pad(a.mask, ca, -1), pad(b.mask, cb, -1)]),
-        logits=torch.cat([a.logits, b.logits]),
-        positions=torch.cat([a.positions, b.positions]),
-    )
+    merged: list[tuple[Any, str]] = []  # (layer, "keys" or "values") of a, done
+    try:
+        for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+            assert type(la) is DynamicLayer and type(lb) is DynamicLayer
+            for part in ("keys", "values"):
+                joined = torch.cat([pad(getattr(la, part), ca, -2), pad(getattr(lb, part), cb, -2)])
+                setattr(lb, part, None)
+                setattr(la, part, joined)
+                merged.append((la, part))
+        mask = torch.cat([pad(a.mask, ca, -1), pad(b.mask, cb, -1)])
+        logits = torch.cat([a.logits, b.logits])
+        positions = torch.cat([a.positions, b.positions])
+    except BaseException:
+        for layer, part in merged:
+            setattr(layer, part, getattr(layer, part)[:ra, :, width - ca :])
+        raise
+    a.rows = a.rows + b.rows
+    a.mask, a.logits, a.positions = mask, logits, positions
 
 
 def _select(batch: _Batch, keep: list[int]) -> None:
@@ -811,7 +1177,7 @@ def _select(batch: _Batch, keep: list[int]) -> None:
     batch.rows = [batch.rows[p] for p in keep]
     if not keep:
         return
-    index = torch.tensor(keep, dtype=torch.long)
+    index = torch.tensor(keep, dtype=torch.long, device=batch.mask.device)
     batch.cache.reorder_cache(index)  # type: ignore[arg-type]
     batch.mask, batch.positions = batch.mask[index], batch.positions[index]
     batch.logits = batch.logits[index]
@@ -853,7 +1219,8 @@ def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
     distribution of prompt token i + 1): logprobs and top-k, with no value before the window
     (position 0 at least); the logprobs of named target ids; draws of alternative tokens."""
     command = request.command
-    prompt = torch.tensor(list(command.prompt), dtype=torch.long)
+    where = logits.device
+    prompt = torch.tensor(list(command.prompt), dtype=torch.long, device=where)
     logits = logits.float()
     peak = logits.amax(dim=-1)
     if not bool(torch.isfinite(peak).all()):
@@ -864,21 +1231,26 @@ def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
     if command.prompt_logprobs:
         values = np.full(length, np.nan, dtype="<f4")
         if start < length:
-            values[start:] = raw[start - 1 : -1].gather(-1, prompt[start:, None])[:, 0].numpy()
+            values[start:] = (
+                raw[start - 1 : -1].gather(-1, prompt[start:, None])[:, 0].cpu().numpy()
+            )
         request.response.prompt_logprobs = values.tobytes()
     k = command.topk_prompt_logprobs
     if k:
         ids, lps = empty_topk(length, k)
         if start < length:
             top = raw[start - 1 : -1].topk(k, dim=-1)
-            ids[start:], lps[start:] = top.indices.numpy(), top.values.numpy()
+            ids[start:], lps[start:] = top.indices.cpu().numpy(), top.values.cpu().numpy()
         request.response.topk_prompt_logprobs.CopyFrom(topk_message(ids, lps))
     if command.HasField("target_prompt_logprobs"):
         rows, _, targets = target_cells(command)
         values = np.zeros(len(targets), dtype="<f4")
         asked = targets >= 0
-        index = torch.from_numpy(rows[asked]), torch.from_numpy(targets[asked])
-        values[asked] = raw[index].numpy()
+        index = (
+            torch.from_numpy(rows[asked]).to(where),
+            torch.from_numpy(targets[asked]).to(where),
+        )
+        values[asked] = raw[index].cpu().numpy()
         request.response.target_prompt_logprobs.CopyFrom(target_message(command, values))
     k = command.prompt_alt_tokens_k
     if k:
@@ -889,15 +1261,16 @@ def _score_prompt(request: _Request, logits: torch.Tensor) -> None:
             drawn = table.argmax(-1, keepdim=True).expand(-1, k)
         else:
             probs = torch.softmax(_tempered(logits[:-1], peak[:-1], command.params), dim=-1)
-            generator = torch.Generator().manual_seed(_stream_seed(request.seed, _ALT_STREAM))
+            generator = torch.Generator(device=where)
+            generator.manual_seed(_stream_seed(request.seed, _ALT_STREAM))
             drawn = (
                 torch.multinomial(probs, k, replacement=True, generator=generator)
                 if len(probs)
-                else torch.zeros((0, k), dtype=torch.long)
+                else torch.zeros((0, k), dtype=torch.long, device=where)
             )
         chosen = table.gather(-1, drawn)
         request.response.prompt_alt_tokens.CopyFrom(
-            alt_tokens_message(drawn.numpy(), chosen.numpy())
+            alt_tokens_message(drawn.cpu().numpy(), chosen.cpu().numpy())
         )
 
 

@@ -126,10 +126,18 @@ class VllmEngine:
         threads: int = 1,
         *,
         adapter_cache_bytes: int = DEFAULT_ADAPTER_CACHE_BYTES,
+        dtype: str = "",
+        memory_fraction: float = 0.0,
     ) -> None:
+        """``dtype`` of the weights (default: bfloat16 on a GPU, float32 on the CPU) and the
+        share of the GPU's memory vLLM may plan with (its ``gpu_memory_utilization``; 0: its
+        default), from the sampler's ``Placement`` (``make_engine``)."""
         self.cache_dir = cache_dir
         self.threads = threads
         self.adapter_cache_bytes = adapter_cache_bytes
+        on_gpu = torch.cuda.is_available()
+        self.dtype = dtype or ("bfloat16" if on_gpu else "float32")
+        self.memory_fraction = memory_fraction if on_gpu else 0.0
         self.bases: dict[str, _Base] = {}
         self._requests: dict[str, _Request] = {}
         self._streamed: dict[str, _Request] = {}  # the requests that report their progress
@@ -156,7 +164,7 @@ class VllmEngine:
         args = EngineArgs(
             model=str(directory),
             tokenizer=str(directory),
-            dtype="bfloat16" if on_gpu else "float32",
+            dtype=self.dtype,
             max_model_len=spec.max_context_length,
             enable_lora=True,
             max_loras=MAX_LORAS,
@@ -167,6 +175,8 @@ class VllmEngine:
             enable_prefix_caching=True,
             seed=0,
         )
+        if self.memory_fraction:
+            args.gpu_memory_utilization = self.memory_fraction
         engine = LLMEngine.from_engine_args(args)
         config = json.loads((directory / "config.json").read_text())
         eos_ids = eos_ids_of(config)
@@ -221,7 +231,19 @@ class VllmEngine:
         return {name: len(base.adapters) for name, base in list(self.bases.items())}
 
     def device(self) -> str:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        """The device vLLM runs on in this process: the current CUDA device, else the CPU."""
+        if torch.cuda.is_available():
+            return f"cuda:{torch.cuda.current_device()}"
+        return "cpu"
+
+    def describe(self) -> str:
+        """Where it computes, for logs and /readyz."""
+        where = self.device()
+        if where.startswith("cuda"):
+            name = torch.cuda.get_device_name(torch.cuda.current_device())
+            share = f"{self.memory_fraction:.0%}" if self.memory_fraction else "its default share"
+            return f"{where} ({name}), {self.dtype} weights (vLLM, {share} of its memory)"
+        return f"cpu, {self.dtype} weights (vLLM's CPU build)"
 
     def _load_adapter(self, base: _Base, key: str, directory: Path) -> None:
         # A name and path of its own for every load: vLLM's prefix cache is keyed on them, not
