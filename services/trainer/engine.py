@@ -5,6 +5,27 @@ Owns: every torch call of the trainer; it runs on the process's one compute thre
 ordering, the bus or storage (handlers.py). Losses are per-token sums, as the Tinker docs define
 them, never means.
 
+Device and precision (services/device.py's ``Placement``; one code path for CUDA, MPS and the
+CPU): base models load onto ``placement.device`` in ``placement.dtype`` (bfloat16 by default on a
+GPU). LoRA parameters, their gradients and the AdamW state are float32 whatever the base (PEFT's
+``autocast_adapter_dtype``, and the engine initialises each adapter in float32 from its seed, so
+a seed gives the same adapter on every device and dtype); logits are cast to float32 before the
+log-softmax, and losses and logprobs are float32. Checkpoints hold float32 CPU tensors, so a run
+saved on one device loads on any other.
+
+Memory is a budget (``placement.memory_bytes``, ``TINSMITH_DEVICE_MEMORY_MB``): the engine counts
+what it holds on the device (each base model's weights, each run's adapter with its gradients and
+AdamW state) and estimates each forward or forward_backward's activations from its tokens before
+running it. A batch that does not fit what is free runs in micro-batches of datums whose
+gradients accumulate (the outputs and gradients are the one pass's, to float32 rounding); a datum
+that does not fit alone runs with activation checkpointing; one that does not fit even so, and a
+run or base model that does not fit, is refused with ``OutOfBudget``, which says what is needed
+and what is free (the handlers unload idle runs, least recently used first, and try again). An
+out-of-memory error on the device fails its request alone (``Unavailable``), with the run as it
+was and the allocator's cache released. The loss reads the base model's hidden states and runs
+the LM head (PEFT's module, LoRA included), the float32 log-softmax and the pick of the targets a
+chunk of positions at a time, so no step holds every position's float32 logits at once.
+
 A request that fails leaves its run exactly as it was: a forward_backward accumulates its
 gradients only once they, its loss and its log-probabilities are all finite (a non-finite one is
 ``Unprocessable``, with what was not finite and its likely cause); an optim_step whose gradients
@@ -15,14 +36,18 @@ created from a checkpoint that does not load is not created.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from opentelemetry import trace
 from peft import (
     LoraConfig,
     PeftModel,
@@ -30,18 +55,62 @@ from peft import (
     get_peft_model_state_dict,
     set_peft_model_state_dict,
 )
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from tinsmith import artifacts, models
+from services import device as devices
+from services.device import MEMORY_VARIABLE, Placement
+from tinsmith import artifacts, limits, models
 from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import InvalidRequest, NotFound, Unprocessable
+from tinsmith.failures import InvalidRequest, NotFound, Unavailable, Unprocessable
+from tinsmith.limits import mib
 from tinsmith.losses import config_of
 from tinsmith.tensors import batched, decode_tensor, model_input_tokens
 
 from . import losses
+
+_T = TypeVar("_T")
+
+# The float32 logits the LM head computes at a time (a chunk of positions): what the loss holds
+# at once whatever the sequence length, instead of every position's (a 4096-token sequence of a
+# 128k vocabulary is 2 GiB of float32 logits, and its log-softmax and gradient as much again).
+HEAD_CHUNK_BYTES = 64 << 20
+# The activation memory of the base model's layers relative to limits.train_bytes (fitted to
+# float32 on the CPU), by the base weights' dtype. Half-precision layers keep half-precision
+# activations, but each LoRA module computes in float32 on a float32 copy of its input, which it
+# keeps for the backward pass, so the saving is small: measured with saved-tensor hooks, every
+# module a LoRA target, a bfloat16 base keeps 0.85 of what a float32 one keeps on tinsmith/small
+# and 0.92 on SmolLM2-135M (tests/trainer/test_memory.py checks the bound on tinsmith/small).
+ACTIVATION_SCALE = {torch.float32: 1.0, torch.bfloat16: 0.95, torch.float16: 0.95}
+# Per adapter tensor, what a run keeps: the weights, their gradients and AdamW's two moments,
+# all float32.
+_RUN_COPIES = 4
+# What a forward_backward holds beyond its activations, in adapter sizes: the gradients
+# accumulated so far set aside, this batch's, and their sum.
+_STEP_COPIES = 3
+
+
+class OutOfBudget(Unprocessable):
+    """What was asked does not fit what is free of the device's memory budget. ``short`` is how
+    many bytes are missing: the handlers unload idle runs to free that much, and ask again."""
+
+    def __init__(self, detail: str, short: int) -> None:
+        super().__init__(detail)
+        self.short = short
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward (and backward) of a request: the datums it takes, by their place in the
+    request, and whether it checkpoints the base model's layers."""
+
+    datums: tuple[int, ...]
+    checkpointed: bool = False
 
 
 @dataclass
@@ -52,28 +121,213 @@ class Run:
     rank: int
     params: dict[str, torch.nn.Parameter]
     optimizer: torch.optim.AdamW
+    state_bytes: int = 0  # on the device: its adapter, gradients and AdamW state
+
+
+@dataclass
+class _Batch:
+    """A forward_backward's datums, decoded on the host: token ids and loss inputs."""
+
+    tokens: list[np.ndarray[Any, Any]]
+    inputs: list[dict[str, torch.Tensor]]
+    lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.lengths = [len(t) for t in self.tokens]
 
 
 class TrainerEngine:
-    def __init__(self, cache_dir: Path, threads: int = 1) -> None:
+    def __init__(
+        self,
+        cache_dir: Path,
+        threads: int = 1,
+        placement: Placement | None = None,
+        *,
+        head_chunk_bytes: int = HEAD_CHUNK_BYTES,
+    ) -> None:
+        """``placement``: where and in what precision to compute, and the memory budget there
+        (the service passes ``placement_from_env()``); by default the CPU in float32, with the
+        machine's memory, as the tests and tools use it."""
         self.cache_dir = cache_dir
         self.threads = threads
+        self.placement = placement or Placement(
+            torch.device("cpu"), torch.float32, devices.total_memory(torch.device("cpu"))
+        )
+        self.head_chunk_bytes = head_chunk_bytes
         self.bases: dict[str, PeftModel] = {}
         self._unwrapped: dict[str, PreTrainedModel] = {}  # loaded ahead, no run on them yet
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Run] = {}
         self._active: dict[str, str] = {}  # base model -> the adapter currently active on it
+        self._base_bytes: dict[str, int] = {}  # base model -> its weights' bytes on the device
+        self._shapes: dict[str, models.Shape] = {}
+        self._vocab: dict[str, int] = {}  # base model -> rows of its LM head
+        self.last_plan: list[Pass] = []  # the passes of the latest forward or forward_backward
 
     def init_compute_thread(self) -> None:
-        """Run on the compute thread before any work: torch's thread count is per thread."""
+        """Run on the compute thread before any work: torch's thread count is per thread, and
+        so is the current CUDA device (CUDA events and the allocator's cache follow it)."""
         torch.set_num_threads(self.threads)
+        if self.placement.device.type == "cuda":
+            torch.cuda.set_device(self.placement.device)
 
     def device(self) -> str:
-        """Where the runs compute: the device of the base models' weights."""
-        held: list[torch.nn.Module] = [*self.bases.values(), *self._unwrapped.values()]
-        for model in held:
-            return str(next(model.parameters()).device)
-        return "cpu"
+        """Where the runs compute: the placement's device, e.g. ``cuda:0`` or ``cpu``."""
+        return str(self.placement.device)
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """What the engine holds on the device: its base models and runs as it counts them, or
+        what torch has allocated there, if more."""
+        counted = sum(self._base_bytes.values()) + sum(r.state_bytes for r in self.runs.values())
+        return max(counted, devices.allocated(self.placement.device))
+
+    def free_bytes(self) -> int:
+        return self.placement.memory_bytes - self.held_bytes()
+
+    def activation_bytes(
+        self, base_model: str, lengths: Sequence[int], *, backward: bool, checkpointed: bool = False
+    ) -> int:
+        """The activation memory of one pass over datums of ``lengths`` tokens on a loaded base
+        model: its layers' (limits.train_bytes over the right-padded batch, without the logits,
+        scaled to the base weights' dtype; with checkpointing, every layer's input and one
+        layer's activations at a time), plus the LM head's: the hidden states of the datums'
+        tokens and one chunk of float32 logits with their log-softmax and gradient."""
+        shape, vocab = self._shapes[base_model], self._vocab[base_model]
+        padded = [max(lengths)] * len(lengths)
+        scale = ACTIVATION_SCALE.get(self.placement.dtype, 1.0)
+        if checkpointed:
+            one_layer = replace(shape, num_hidden_layers=1)
+            body = limits.train_bytes(one_layer, 0, padded, backward=True) * scale
+            body += shape.num_hidden_layers * sum(padded) * shape.hidden_size * 4
+        else:
+            body = limits.train_bytes(shape, 0, padded, backward=backward) * scale
+        tokens = sum(lengths)
+        chunk = min(tokens, self._chunk_rows(vocab))
+        head = tokens * shape.hidden_size * 4 * 2 + chunk * vocab * 4 * (4 if backward else 2)
+        return int(body) + head
+
+    def plan(self, model_id: str, lengths: Sequence[int], *, backward: bool) -> list[Pass]:
+        """How a forward (``backward=False``) or forward_backward over datums of ``lengths``
+        tokens runs within what is free of the budget: one pass if it fits; else consecutive
+        micro-batches of datums, each as large as fits, and a datum that does not fit alone with
+        activation checkpointing. ``OutOfBudget`` if a datum does not fit even so."""
+        run = self.runs[model_id]
+        base = run.base_model
+        free = self.free_bytes() - (
+            _STEP_COPIES * run.state_bytes // _RUN_COPIES if backward else 0
+        )
+
+        def fits(datums: Sequence[int], checkpointed: bool = False) -> bool:
+            need = self.activation_bytes(
+                base, [lengths[i] for i in datums], backward=backward, checkpointed=checkpointed
+            )
+            return need <= free
+
+        everything = tuple(range(len(lengths)))
+        if fits(everything):
+            return [Pass(everything)]
+        passes: list[Pass] = []
+        current: list[int] = []
+        for i in everything:
+            if current and fits([*current, i]):
+                current.append(i)
+                continue
+            if current:
+                passes.append(Pass(tuple(current)))
+                current = []
+            if fits([i]):
+                current = [i]
+            elif backward and fits([i], checkpointed=True):
+                passes.append(Pass((i,), checkpointed=True))
+            else:
+                need = self.activation_bytes(
+                    base, [lengths[i]], backward=backward, checkpointed=backward
+                )
+                raise OutOfBudget(
+                    f"datum {i} ({lengths[i]} tokens of {base}) needs about {mib(need)} of "
+                    f"device memory for its activations"
+                    + (" even with activation checkpointing" if backward else "")
+                    + f", and {mib(max(free, 0))} of the trainer's budget of "
+                    f"{mib(self.placement.memory_bytes)} ({MEMORY_VARIABLE}) are free: "
+                    f"{self._holdings()}. Send shorter sequences, or give the trainer more "
+                    f"device memory ({MEMORY_VARIABLE})",
+                    short=need - free,
+                )
+        if current:
+            passes.append(Pass(tuple(current)))
+        return passes
+
+    def _holdings(self) -> str:
+        bases = sum(self._base_bytes.values())
+        runs = sum(r.state_bytes for r in self.runs.values())
+        held = self.held_bytes()
+        text = (
+            f"{len(self._base_bytes)} base models hold {mib(bases)} and {len(self.runs)} runs "
+            f"{mib(runs)}"
+        )
+        if held > bases + runs:
+            text += f" ({mib(held)} allocated on {self.placement.device})"
+        return text
+
+    def _fit(self, need: int, what: str, keep: str) -> None:
+        """Make sure ``need`` more bytes fit the budget: drop base models no run uses (they load
+        again when asked for), other than ``keep``; ``OutOfBudget`` if that is not enough."""
+        for name in list(self._unwrapped):
+            if self.free_bytes() >= need:
+                return
+            if name != keep:
+                del self._unwrapped[name]
+                self._base_bytes.pop(name, None)
+                devices.release(self.placement.device)
+        used = {run.base_model for run in self.runs.values()}
+        for name in [n for n in self.bases if n != keep and n not in used]:
+            if self.free_bytes() >= need:
+                return
+            self._drop_base(name)
+        free = self.free_bytes()
+        if free < need:
+            raise OutOfBudget(
+                f"{what} needs {mib(need)} of device memory and {mib(max(free, 0))} of the "
+                f"trainer's budget of {mib(self.placement.memory_bytes)} ({MEMORY_VARIABLE}) are "
+                f"free: {self._holdings()}",
+                short=need - free,
+            )
+
+    def _drop_base(self, name: str) -> None:
+        del self.bases[name]
+        self._base_bytes.pop(name, None)
+        self._active.pop(name, None)
+        gc.collect()
+        devices.release(self.placement.device)
+
+    def _chunk_rows(self, vocab: int) -> int:
+        return max(1, self.head_chunk_bytes // (4 * vocab))
+
+    def _on_device(self, op: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run ``fn``; an out-of-memory error on the device becomes ``Unavailable`` for this
+        request alone, once ``fn`` has put its run back as it was and the memory its frames held
+        is released."""
+        detail = ""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not devices.is_out_of_memory(exc):
+                raise
+            first = str(exc).strip().split("\n", 1)[0][:400]
+            detail = (
+                f"the device ({self.placement.device}) ran out of memory during this {op}; the "
+                f"run is as it was before it. The trainer's budget is "
+                f"{mib(self.placement.memory_bytes)} ({MEMORY_VARIABLE}): {self._holdings()}, "
+                "so other work on the device (another process, or fragmentation) took what the "
+                "trainer planned to use; send it again, and if it recurs lower "
+                f"{MEMORY_VARIABLE} or send fewer tokens per call. torch: {first}"
+            )
+        # Out of the except block: the failed step's frames, and the tensors they held, are gone.
+        gc.collect()
+        devices.release(self.placement.device)
+        raise Unavailable(detail)
 
     def loaded(self) -> dict[str, int]:
         """Each loaded base model, with how many runs (adapters) are loaded on it. Read from
@@ -87,13 +341,23 @@ class TrainerEngine:
         """Load base model ``name`` now (the start-up preload), so its first run does not wait
         for it; the PEFT wrapping waits for that run's adapter."""
         if name not in self.bases and name not in self._unwrapped:
-            self._unwrapped[name] = self._load_base(name)
+            self._unwrapped[name] = self._on_device("load", self._load_base, name)
 
     def _load_base(self, name: str) -> PreTrainedModel:
+        """Load ``name`` onto the device in the placement's dtype, if its weights fit."""
         directory = models.materialize(name, self.cache_dir)
-        base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        dtype = self.placement.dtype
+        self._fit(_weights_bytes(directory, dtype), f"base model {name}", keep=name)
+        base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
         base.requires_grad_(False)
         base.eval()  # type: ignore[no-untyped-call]
+        base.to(self.placement.device)  # type: ignore[arg-type]
+        tensors = {t.data_ptr(): t for t in [*base.parameters(), *base.buffers()]}
+        self._base_bytes[name] = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._shapes[name] = models.get(name).shape
+        head = base.get_output_embeddings()  # type: ignore[no-untyped-call]
+        assert isinstance(head, torch.nn.Linear)
+        self._vocab[name] = head.weight.shape[0]
         self.model_dirs[name] = directory
         return base
 
@@ -122,18 +386,7 @@ class TrainerEngine:
         )
         adapter = _adapter_name(model_id)
         seed = lora.seed if lora.HasField("seed") else int.from_bytes(np.random.bytes(8)) >> 1
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed % 2**63)
-            peft_model = self._with_adapter(command.base_model, adapter, config)
-        params = {
-            name: param for name, param in peft_model.named_parameters() if f".{adapter}." in name
-        }
-        for param in params.values():
-            param.requires_grad_(True)
-        optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4)
-        self.runs[model_id] = Run(
-            model_id, command.base_model, adapter, lora.rank, params, optimizer
-        )
+        self._on_device("create_model", self._create, model_id, command, config, adapter, seed)
         if checkpoint is not None:
             try:
                 self.load(model_id, checkpoint, with_optimizer=command.load_optimizer)
@@ -142,10 +395,45 @@ class TrainerEngine:
                 raise
         return str(self.model_dirs[command.base_model])
 
+    def _create(
+        self, model_id: str, command: bus.CreateModel, config: LoraConfig, adapter: str, seed: int
+    ) -> None:
+        base_model = command.base_model
+        model = self.bases.get(base_model) or self._unwrapped.get(base_model)
+        if model is None:
+            model = self._unwrapped[base_model] = self._load_base(base_model)
+        targets = set(config.target_modules or ())
+        state_bytes = _RUN_COPIES * _adapter_bytes(model, targets, command.lora.rank)
+        self._fit(
+            state_bytes, f"training run {model_id} (LoRA rank {command.lora.rank})", base_model
+        )
+        peft_model = self._with_adapter(base_model, adapter, config)
+        try:
+            params = {
+                name: param
+                for name, param in peft_model.named_parameters()
+                if f".{adapter}." in name
+            }
+            _initialise(params, seed)
+            for param in params.values():
+                param.requires_grad_(True)
+            optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4)
+        except BaseException:
+            peft_model.delete_adapter(adapter)
+            self._active.pop(base_model, None)
+            raise
+        state_bytes = _RUN_COPIES * sum(p.numel() * p.element_size() for p in params.values())
+        self.runs[model_id] = Run(
+            model_id, base_model, adapter, command.lora.rank, params, optimizer, state_bytes
+        )
+
     def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> None:
         """Replace the run's adapter weights with a checkpoint's; restore its optimizer state
         too, or start a fresh optimizer. A checkpoint that does not fit leaves the run as it
-        was."""
+        was. The checkpoint's float32 CPU tensors go to the run's device."""
+        self._on_device("load", self._load, model_id, directory, with_optimizer)
+
+    def _load(self, model_id: str, directory: Path, with_optimizer: bool) -> None:
         run, model = self._activate(model_id)
         config = json.loads((directory / artifacts.ADAPTER_CONFIG).read_text())
         if int(config.get("r", 0)) != run.rank:
@@ -171,7 +459,9 @@ class TrainerEngine:
                 for name, param in run.params.items():
                     prefix = _neutral(name, run.adapter) + "."
                     entry = {
-                        k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)
+                        k[len(prefix) :]: _state_on(param, k[len(prefix) :], v)
+                        for k, v in tensors.items()
+                        if k.startswith(prefix)
                     }
                     if entry:
                         optimizer.state[param] = entry
@@ -183,13 +473,16 @@ class TrainerEngine:
         run.optimizer = optimizer
         for name, param in run.params.items():
             grad = grads.get(_neutral(name, run.adapter))
-            param.grad = None if grad is None else grad.clone()
+            param.grad = None if grad is None else grad.to(param.device, param.dtype, copy=True)
 
     def unload(self, model_id: str) -> None:
-        """Drop the run's adapter and optimizer from memory (after it was snapshotted)."""
+        """Drop the run's adapter and optimizer from memory (after it was snapshotted), and give
+        the device memory they held back."""
         run = self.runs.pop(model_id)
         self.bases[run.base_model].delete_adapter(run.adapter)
         self._active.pop(run.base_model, None)
+        del run
+        devices.release(self.placement.device)
 
     def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
         peft_model = self.bases.get(base_model)
@@ -221,47 +514,62 @@ class TrainerEngine:
     # -- forward / backward --------------------------------------------------------------------
 
     def forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
-        """Run the whole batch in one right-padded forward pass, apply the loss to each datum's
-        own positions, and accumulate gradients unless ``forward_only``. Returns a serialized
-        ``ForwardBackwardOutput``.
+        """Run the batch in as few right-padded forward passes as fit the device's memory (one,
+        when it fits: ``plan``), apply the loss to each datum's own positions, and accumulate
+        gradients unless ``forward_only``. Returns a serialized ``ForwardBackwardOutput``.
 
         The gradients accumulated so far are set aside while this batch's are computed, and
         added to them only if everything came out finite: a batch that raises on the way, or
-        whose loss, log-probabilities or gradients are not finite (``Unprocessable``), leaves
-        them exactly as they were."""
+        whose loss, log-probabilities or gradients are not finite (``Unprocessable``), or that
+        runs out of device memory (``Unavailable``), leaves them exactly as they were."""
+        op = "forward" if request.forward_only else "forward_backward"
+        return self._on_device(op, self._forward_backward, model_id, request)
+
+    def _forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
         run, model = self._activate(model_id)
-        tokens = [model_input_tokens(d.model_input) for d in request.data]
-        lengths = [len(t) for t in tokens]
-        ids = torch.zeros((len(tokens), max(lengths)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, (row, n) in enumerate(zip(tokens, lengths, strict=True)):
-            ids[i, :n] = torch.from_numpy(row.astype(np.int64))
-            mask[i, :n] = 1
-        inputs = [
-            {
-                name: torch.from_numpy(np.array(decode_tensor(tensor, name)))
-                for name, tensor in datum.loss_fn_inputs.items()
-            }
-            for datum in request.data
-        ]
+        batch = _Batch(
+            tokens=[model_input_tokens(d.model_input) for d in request.data],
+            inputs=[
+                {name: _host_tensor(tensor, name) for name, tensor in datum.loss_fn_inputs.items()}
+                for datum in request.data
+            ],
+        )
+        vocab = self._vocab[run.base_model]
+        for i, (n, datum_inputs) in enumerate(zip(batch.lengths, batch.inputs, strict=True)):
+            if "target_tokens" not in datum_inputs:
+                raise InvalidRequest(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
+            losses.check_targets(datum_inputs["target_tokens"], n, vocab, i)
         grad = not request.forward_only
+        passes = self.plan(model_id, batch.lengths, backward=grad)
+        self.last_plan = passes
+        span = trace.get_current_span()
+        span.set_attribute("tinsmith.micro_batches", len(passes))
+        span.set_attribute("tinsmith.checkpointed_datums", sum(p.checkpointed for p in passes))
+        config = config_of(request)
         accumulated = {name: param.grad for name, param in run.params.items()}
         try:
             if grad:
                 for param in run.params.values():
                     param.grad = None  # this batch's own gradients land here
-            with torch.set_grad_enabled(grad):
-                logits = model(input_ids=ids, attention_mask=mask).logits.float()
-                result = losses.compute(
-                    request.loss_fn,
-                    [logits[i, :n] for i, n in enumerate(lengths)],
-                    inputs,
-                    config_of(request),
-                )
-                _check_loss(request.loss_fn, result, inputs)
-                if grad:
-                    result.total.backward()  # type: ignore[no-untyped-call]
-                    summed = _accumulate(run, accumulated)
+            logprobs: list[torch.Tensor | None] = [None] * len(batch.tokens)
+            for step in passes:
+                part = list(step.datums)
+                with self._checkpointing(model, step.checkpointed), torch.set_grad_enabled(grad):
+                    lps = self._target_logprobs(run, model, batch, part, grad=grad)
+                    if grad:
+                        result = losses.from_logprobs(
+                            request.loss_fn, lps, [batch.inputs[i] for i in part], config, part
+                        )
+                        _check_loss(request.loss_fn, result, [batch.inputs[i] for i in part], part)
+                        result.total.backward()  # type: ignore[no-untyped-call]
+                for i, lp in zip(part, lps, strict=True):
+                    logprobs[i] = lp.detach()
+            # The outputs and metrics of the whole batch at once, as one pass would give them.
+            ready = [lp for lp in logprobs if lp is not None]
+            result = losses.from_logprobs(request.loss_fn, ready, batch.inputs, config)
+            _check_loss(request.loss_fn, result, batch.inputs)
+            if grad:
+                summed = _accumulate(run, accumulated)
         except BaseException:
             for name, param in run.params.items():
                 param.grad = accumulated[name]
@@ -270,14 +578,81 @@ class TrainerEngine:
             for name, param in run.params.items():
                 param.grad = summed[name]
         out = tp.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(tokens))
-        record.fields["logprobs"].CopyFrom(batched([lp.numpy() for lp in result.logprobs]))
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(batch.tokens))
+        record.fields["logprobs"].CopyFrom(batched([lp.cpu().numpy() for lp in result.logprobs]))
         record.fields["elementwise_loss"].CopyFrom(
-            batched([el.numpy() for el in result.elementwise])
+            batched([el.cpu().numpy() for el in result.elementwise])
         )
         for key, value in result.metrics.items():
             out.metrics[key] = value
         return out.SerializeToString()
+
+    def _target_logprobs(
+        self, run: Run, model: PeftModel, batch: _Batch, part: list[int], *, grad: bool
+    ) -> list[torch.Tensor]:
+        """The float32 target log-probabilities of the datums ``part`` of ``batch``, in one
+        right-padded forward pass: the base model's hidden states of the datums' tokens, then
+        the LM head (PEFT's module, so a LoRA on ``lm_head`` applies), the log-softmax and the
+        pick of the targets, a chunk of positions at a time. With gradients and more than one
+        chunk, each chunk is checkpointed: its logits are computed again in the backward pass
+        instead of being kept."""
+        placement = self.placement
+        lengths = [batch.lengths[i] for i in part]
+        ids = torch.zeros((len(part), max(lengths)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (i, n) in enumerate(zip(part, lengths, strict=True)):
+            ids[row, :n] = torch.from_numpy(batch.tokens[i].astype(np.int64))
+            mask[row, :n] = 1
+        ids, mask = ids.to(placement.device), mask.to(placement.device)
+        causal = _causal_lm(model)
+        decoder = causal.get_decoder()  # type: ignore[no-untyped-call]
+        head = causal.get_output_embeddings()  # type: ignore[no-untyped-call]
+        assert isinstance(decoder, torch.nn.Module) and isinstance(head, torch.nn.Module)
+        hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        rows = hidden[mask.bool()]  # the datums' positions, datum after datum
+        starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        targets = [batch.inputs[i]["target_tokens"].to(placement.device) for i in part]
+        # Datums whose targets have the same shape per position ((N,) or (N, K)) go together.
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for k, target in enumerate(targets):
+            groups.setdefault(tuple(target.shape[1:]), []).append(k)
+        out: list[torch.Tensor | None] = [None] * len(part)
+        chunk = self._chunk_rows(self._vocab[run.base_model])
+        for members in groups.values():
+            if len(members) == len(part):
+                picked = rows
+            else:
+                picked = torch.cat([rows[starts[k] : starts[k + 1]] for k in members])
+            wanted = torch.cat([targets[k] for k in members]).long()
+            lps = _head_logprobs(head, picked, wanted, chunk, grad=grad)
+            offset = 0
+            for k in members:
+                out[k] = lps[offset : offset + lengths[k]]
+                offset += lengths[k]
+        return [lp for lp in out if lp is not None]
+
+    @contextlib.contextmanager
+    def _checkpointing(self, model: PeftModel, on: bool) -> Iterator[None]:
+        """Within it (when ``on``), the base model's decoder layers keep only their inputs for
+        the backward pass and compute their activations again there (transformers' activation
+        checkpointing, non-reentrant). Transformers checkpoints only layers in training mode:
+        the layers' own flag is set, not their submodules', so nothing else changes (no dropout
+        comes on)."""
+        if not on:
+            yield
+            return
+        causal = _causal_lm(model)
+        causal.activation_checkpointing_enable({"use_reentrant": False})
+        causal.disable_input_require_grads()  # type: ignore[no-untyped-call]
+        layers = [m for m in causal.modules() if isinstance(m, GradientCheckpointingLayer)]
+        try:
+            for layer in layers:
+                layer.training = True
+            yield
+        finally:
+            for layer in layers:
+                layer.training = False
+            causal.activation_checkpointing_disable()  # type: ignore[no-untyped-call]
 
     # -- optimizer -----------------------------------------------------------------------------
 
@@ -286,7 +661,11 @@ class TrainerEngine:
 
         Refused (``Unprocessable``), with the weights, the AdamW state and the gradients exactly
         as they were, when the gradients or their norm are not finite, or when the step would
-        make a weight non-finite (a learning rate far too large, say)."""
+        make a weight non-finite (a learning rate far too large, say); the same when the device
+        runs out of memory (``Unavailable``)."""
+        return self._on_device("optim_step", self._optim_step, model_id, adam)
+
+    def _optim_step(self, model_id: str, adam: bus.AdamParams) -> dict[str, float]:
         run, _ = self._activate(model_id)
         named = {name: p.grad for name, p in run.params.items() if p.grad is not None}
         params = [run.params[name] for name in named]
@@ -354,9 +733,8 @@ class TrainerEngine:
                 param.grad = g
             raise
         run.optimizer.zero_grad(set_to_none=True)
-        update = math.sqrt(
-            sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(params, before, strict=True))
-        )
+        moved = [(p.detach() - b).pow(2).sum() for p, b in zip(params, before, strict=True)]
+        update = math.sqrt(float(torch.stack(moved).sum())) if moved else 0.0
         return {
             "grad_norm:mean": float(norm),
             "learning_rate:mean": adam.learning_rate,
@@ -380,8 +758,7 @@ class TrainerEngine:
             model, adapter_name=run.adapter, save_embedding_layers=False
         )
         save_file(
-            {k: v.detach().contiguous() for k, v in state.items()},
-            str(directory / artifacts.ADAPTER_WEIGHTS),
+            {k: _portable(v) for k, v in state.items()}, str(directory / artifacts.ADAPTER_WEIGHTS)
         )
         config = model.peft_config[run.adapter]
         config.base_model_name_or_path = run.base_model
@@ -389,7 +766,7 @@ class TrainerEngine:
         if with_optimizer:
             save_file(_optimizer_tensors(run), str(directory / artifacts.OPTIMIZER_STATE))
         grads = {
-            _neutral(name, run.adapter): param.grad.detach().contiguous()
+            _neutral(name, run.adapter): _portable(param.grad)
             for name, param in run.params.items()
             if param.grad is not None
         }
@@ -408,8 +785,104 @@ def _optimizer_tensors(run: Run) -> dict[str, torch.Tensor]:
         state = run.optimizer.state.get(param, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{_neutral(name, run.adapter)}.{key}"] = value.detach().contiguous()
+                tensors[f"{_neutral(name, run.adapter)}.{key}"] = _portable(value)
     return tensors
+
+
+def _portable(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as a checkpoint holds it: float32 (the adapter, its gradients and AdamW state
+    are float32 anyway) on the CPU, so it loads on any device."""
+    value = tensor.detach()
+    if value.is_floating_point():
+        value = value.float()
+    return value.to("cpu").contiguous()
+
+
+def _state_on(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:
+    """A saved AdamW state tensor, where torch.optim keeps it for ``param``: the step count on
+    the CPU (AdamW's default, neither fused nor capturable), the moments beside the parameter."""
+    if key == "step":
+        return value.to("cpu", torch.float32)
+    return value.to(param.device, param.dtype, copy=True)
+
+
+def _host_tensor(tensor: tp.Tensor, name: str) -> torch.Tensor:
+    """A loss input off the wire, on the host: float32 or int64 (so every device takes it)."""
+    value = torch.from_numpy(np.array(decode_tensor(tensor, name)))
+    return value.float() if value.is_floating_point() else value.long()
+
+
+def _head_logprobs(
+    head: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor, chunk: int, *, grad: bool
+) -> torch.Tensor:
+    """log_softmax(head(rows)) at ``targets``, in float32, ``chunk`` positions at a time. With
+    gradients and more than one chunk, each chunk is checkpointed (non-reentrant: the LoRA
+    parameters inside ``head`` get their gradients in the recomputation)."""
+    n = rows.shape[0]
+    if n <= chunk:
+        whole: torch.Tensor = _chunk_logprobs(head, rows, targets)
+        return whole
+    parts = []
+    for start in range(0, n, chunk):
+        h, t = rows[start : start + chunk], targets[start : start + chunk]
+        if grad:
+            part: torch.Tensor = checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False)
+            parts.append(part)
+        else:
+            parts.append(_chunk_logprobs(head, h, t))
+    return torch.cat(parts)
+
+
+def _chunk_logprobs(head: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor) -> Any:
+    return losses.pick(head(rows).float(), targets)
+
+
+def _causal_lm(model: PeftModel) -> PreTrainedModel:
+    """The transformers model inside PEFT's wrapping (its LoRA layers in place)."""
+    causal = model.get_base_model()
+    assert isinstance(causal, PreTrainedModel)
+    return causal
+
+
+def _initialise(params: dict[str, torch.nn.Parameter], seed: int) -> None:
+    """PEFT's default LoRA initialisation (A: Kaiming-uniform with a = sqrt(5), B: zero), drawn
+    in float32 on the CPU from ``seed``, in the order of the parameters' names: the same adapter
+    on every device and whatever the base weights' dtype (PEFT draws A in the base's dtype, so a
+    bfloat16 base would round it)."""
+    generator = torch.Generator().manual_seed(seed % 2**63)
+    with torch.no_grad():
+        for name in sorted(params):
+            param = params[name]
+            if ".lora_A." in name:
+                value = torch.empty(param.shape, dtype=torch.float32)
+                torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
+                param.copy_(value)
+            elif ".lora_B." in name:
+                param.zero_()
+
+
+def _adapter_bytes(model: torch.nn.Module, targets: set[str], rank: int) -> int:
+    """The float32 bytes of a rank-``rank`` LoRA adapter on the modules of ``model`` named in
+    ``targets``: rank x (inputs + outputs) per module."""
+    total = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in targets:
+            continue
+        get_base = getattr(module, "get_base_layer", None)
+        layer = get_base() if get_base is not None else module
+        if isinstance(layer, torch.nn.Linear):
+            total += rank * (layer.in_features + layer.out_features) * 4
+    return total
+
+
+def _weights_bytes(directory: Path, dtype: torch.dtype) -> int:
+    """What a model directory's weights take in ``dtype``, from its safetensors headers."""
+    cells = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as file:
+            for key in file.keys():  # noqa: SIM118 (a safetensors file is not a dict)
+                cells += math.prod(file.get_slice(key).get_shape())
+    return cells * dtype.itemsize
 
 
 def _accumulate(
@@ -418,7 +891,7 @@ def _accumulate(
     """The run's gradients once this batch's (in ``param.grad`` now) are added to ``accumulated``;
     ``Unprocessable`` if this batch's, or the sums, are not finite. Changes nothing itself."""
     fresh = {name: param.grad for name, param in run.params.items()}
-    broken = [n for n, g in fresh.items() if g is not None and not bool(torch.isfinite(g).all())]
+    broken = _not_finite(fresh)
     if broken:
         raise Unprocessable(
             f"the gradients of this batch are not finite in {len(broken)} of {len(fresh)} "
@@ -430,7 +903,7 @@ def _accumulate(
     for name, new in fresh.items():
         old = accumulated[name]
         summed[name] = old if new is None else new if old is None else old + new
-    broken = [n for n, g in summed.items() if g is not None and not bool(torch.isfinite(g).all())]
+    broken = _not_finite(summed)
     if broken:
         raise Unprocessable(
             "adding the gradients of this batch to those accumulated since the last optim_step "
@@ -440,29 +913,50 @@ def _accumulate(
     return summed
 
 
+def _not_finite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
+    """The names of the tensors that hold a NaN or an infinity (one device sync for all)."""
+    present = {n: t for n, t in tensors.items() if t is not None}
+    if not present:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for t in present.values()]).tolist()
+    return [n for n, ok in zip(present, finite, strict=True) if not ok]
+
+
 def _check_loss(
-    loss_fn: str, result: losses.LossResult, inputs: list[dict[str, torch.Tensor]]
+    loss_fn: str,
+    result: losses.LossResult,
+    inputs: Sequence[dict[str, torch.Tensor]],
+    names: Sequence[int] | None = None,
 ) -> None:
     """``Unprocessable`` unless the batch's log-probabilities and loss terms are all finite,
-    saying which datum first has a non-finite one and the likely cause."""
+    saying which datum (``names[i]``, by default ``i``) first has a non-finite one and the likely
+    cause."""
+    name = list(names) if names is not None else list(range(len(inputs)))
+    everything = [*result.logprobs, *result.elementwise, result.total.detach().reshape(1)]
+    if bool(torch.stack([torch.isfinite(t).all() for t in everything]).all()):
+        return  # one check (one device sync) when all is well
     for i, (lp, terms) in enumerate(zip(result.logprobs, result.elementwise, strict=True)):
         if not bool(torch.isfinite(lp).all()):
             count = int((~torch.isfinite(lp)).sum())
             raise Unprocessable(
-                f"datum {i}: the model's log-probabilities are not finite at {count} of "
+                f"datum {name[i]}: the model's log-probabilities are not finite at {count} of "
                 f"{lp.numel()} target positions: the run's weights or its logits are not "
                 "finite (an earlier step diverged?)"
             )
         if bool(torch.isfinite(terms).all()):
             continue
         count = int((~torch.isfinite(terms)).sum())
-        where = f"datum {i}: the {loss_fn} loss is not finite at {count} of {terms.numel()} tokens"
+        where = (
+            f"datum {name[i]}: the {loss_fn} loss is not finite at {count} of {terms.numel()} "
+            "tokens"
+        )
         for key, value in inputs[i].items():
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise Unprocessable(f"{where}: loss_fn_inputs[{key!r}] holds non-finite values")
         q = inputs[i].get("logprobs")
         if q is not None:
-            gap = float((lp.reshape(-1) - q.reshape(-1).to(lp.dtype)).abs().max())
+            q = q.to(lp.device, lp.dtype)
+            gap = float((lp.reshape(-1) - q.reshape(-1)).abs().max())
             term = "penalty (p - q)^2" if loss_fn == "dro" else "importance ratio exp(p - q)"
             raise Unprocessable(
                 f"{where}: the {term} overflows, with the model's log-probabilities p up to "
@@ -470,11 +964,10 @@ def _check_loss(
                 "logprob of -1e30, or logprobs of other tokens or of another model?)"
             )
         raise Unprocessable(f"{where}: a loss term overflows (weights or advantages too large?)")
-    if not math.isfinite(float(result.total.detach())):
-        raise Unprocessable(
-            f"the {loss_fn} loss of the batch overflows in its sum over tokens and datums "
-            "(weights or advantages too large?)"
-        )
+    raise Unprocessable(
+        f"the {loss_fn} loss of the batch overflows in its sum over tokens and datums "
+        "(weights or advantages too large?)"
+    )
 
 
 def _put_back(run: Run, weights: dict[str, torch.Tensor]) -> None:

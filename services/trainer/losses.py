@@ -74,9 +74,34 @@ def compute(
     """Run ``loss_fn`` over a batch: ``logits[i]`` is datum i's (n_i, V) logits.
 
     ``inputs[i]`` is datum i's loss_fn_inputs as dense tensors, already checked by
-    ``check_inputs``; they move to the logits' device here. One fused log_softmax per datum gives
-    the target log-probabilities; the loss math then runs once, vectorised over the batch's
-    concatenated tokens.
+    ``check_inputs``. One fused log_softmax per datum gives the target log-probabilities
+    (``target_logprobs``), then ``from_logprobs`` applies the loss. The trainer's engine computes
+    the target log-probabilities itself, a chunk of positions at a time, and calls
+    ``from_logprobs``."""
+    spec_for(loss_fn)  # an unknown loss is refused before anything is computed
+    if len(logits) != len(inputs):
+        raise ValueError(f"{len(logits)} logits tensors for {len(inputs)} datums")
+    lps = [
+        target_logprobs(datum_logits, datum_inputs["target_tokens"], i)
+        for i, (datum_logits, datum_inputs) in enumerate(zip(logits, inputs, strict=True))
+    ]
+    return from_logprobs(loss_fn, lps, inputs, config)
+
+
+def from_logprobs(
+    loss_fn: str,
+    lps: Sequence[torch.Tensor],
+    inputs: Sequence[Mapping[str, torch.Tensor]],
+    config: Mapping[str, object] | None,
+    names: Sequence[int] | None = None,
+) -> LossResult:
+    """Run ``loss_fn`` over a batch whose target log-probabilities are known: ``lps[i]`` is datum
+    i's, shaped like its target_tokens (float32, with their autograd graph when gradients are
+    wanted); errors call it datum ``names[i]`` (default ``i``: a part of a request names its
+    datums by their place in the request). ``inputs`` move to the log-probabilities' device
+    here; the loss math runs once, vectorised over the batch's concatenated tokens. Each datum's
+    terms depend on that datum alone (gspo's sequence ratio included), so the terms of a batch
+    cut into parts are the terms of the whole, and the totals add up.
 
     Metrics: ``loss:sum`` always. The RL losses add ``ratio:mean``, the mean importance ratio
     (for gspo, each token's sequence ratio) over the tokens with a nonzero advantage, the ones
@@ -86,16 +111,12 @@ def compute(
     """
     spec = spec_for(loss_fn)
     cfg = resolve_config(loss_fn, config)
-    if len(logits) != len(inputs):
-        raise ValueError(f"{len(logits)} logits tensors for {len(inputs)} datums")
-    if not logits:
+    if len(lps) != len(inputs):
+        raise ValueError(f"{len(lps)} logprobs tensors for {len(inputs)} datums")
+    if not lps:
         raise InvalidRequest("forward_backward needs at least one datum")
-    device = logits[0].device
-
-    lps = [
-        _target_logprobs(datum_logits, datum_inputs["target_tokens"], i)
-        for i, (datum_logits, datum_inputs) in enumerate(zip(logits, inputs, strict=True))
-    ]
+    device = lps[0].device
+    name = list(names) if names is not None else list(range(len(lps)))
     shapes = [lp.shape for lp in lps]
     p = torch.cat([lp.reshape(-1) for lp in lps])
 
@@ -107,12 +128,12 @@ def compute(
             if value is None:
                 if default is None:
                     raise InvalidRequest(
-                        f"datum {i}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]"
+                        f"datum {name[i]}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]"
                     )
                 parts.append(torch.full((lp.numel(),), default, dtype=p.dtype, device=device))
             elif value.numel() != lp.numel():
                 raise InvalidRequest(
-                    f"datum {i}: loss_fn_inputs[{key!r}] has shape {tuple(value.shape)}; "
+                    f"datum {name[i]}: loss_fn_inputs[{key!r}] has shape {tuple(value.shape)}; "
                     f"expected {tuple(lp.shape)}"
                 )
             else:
@@ -134,7 +155,7 @@ def compute(
         else:
             low = flat("clip_low_threshold", cfg["clip_low_threshold"])
             high = flat("clip_high_threshold", cfg["clip_high_threshold"])
-            _check_thresholds(low, high, shapes)
+            _check_thresholds(low, high, shapes, name)
             if spec.name == "gspo":
                 marked = flat("sequence_ratio_mask")
                 ratio, stats["sequence_ratio:mean"] = _gspo_ratio(p, q, marked, shapes)
@@ -148,13 +169,13 @@ def compute(
         stats["ratio:mean"] = _masked_mean(ratio.detach(), active, 1.0)
 
     total = elementwise.sum()
-    names = ["loss:sum", *stats]
+    keys = ["loss:sum", *stats]
     values = torch.stack([total.detach(), *stats.values()]).tolist()
     return LossResult(
         total=total,
         logprobs=_unflatten(p.detach(), shapes),
         elementwise=_unflatten(elementwise.detach(), shapes),
-        metrics=dict(zip(names, (float(v) for v in values), strict=True)),
+        metrics=dict(zip(keys, (float(v) for v in values), strict=True)),
     )
 
 
@@ -168,14 +189,26 @@ def _unflatten(values: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch
     return out
 
 
-def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: int) -> torch.Tensor:
-    """log_softmax(logits) at the targets: (n,) or (n, K), one fused log_softmax per datum."""
-    import torch
-
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: int) -> torch.Tensor:
+    """log_softmax(logits) at the targets, in float32: (n,) or (n, K), one fused log_softmax per
+    datum. ``index`` names the datum in errors."""
+    logits = logits.float()
     n, vocab = logits.shape
     ids = targets.to(device=logits.device, dtype=torch.long)
+    check_targets(ids, n, vocab, index)
+    return pick(logits, ids)
+
+
+def pick(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits) at ``ids``, (n,) or (n, K), for float32 ``logits`` (n, V)."""
+    if ids.ndim == 1:  # the fused kernel: log_softmax + pick, forward and backward
+        return -torch.nn.functional.cross_entropy(logits, ids, reduction="none")
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids)
+
+
+def check_targets(ids: torch.Tensor, n: int, vocab: int, index: int) -> None:
+    """``InvalidRequest`` unless datum ``index``'s target ids have a row per model_input token
+    and lie in the vocabulary."""
     if ids.shape[0] != n:
         raise InvalidRequest(
             f"datum {index}: target_tokens has {ids.shape[0]} rows for {n} model_input tokens"
@@ -187,9 +220,6 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, index: int) ->
                 f"datum {index}: target_tokens holds token id {int(bad[0])}, outside the "
                 f"model's vocabulary of {vocab}"
             )
-    if ids.ndim == 1:  # the fused kernel: log_softmax + pick, forward and backward
-        return -torch.nn.functional.cross_entropy(logits, ids, reduction="none")
-    return torch.log_softmax(logits, dim=-1).gather(-1, ids)
 
 
 def _gspo_ratio(
@@ -213,7 +243,9 @@ def _gspo_ratio(
     return ratio, torch.exp(sequence_log_ratio).mean()
 
 
-def _check_thresholds(low: torch.Tensor, high: torch.Tensor, shapes: Sequence[torch.Size]) -> None:
+def _check_thresholds(
+    low: torch.Tensor, high: torch.Tensor, shapes: Sequence[torch.Size], names: Sequence[int]
+) -> None:
     """Refuse a token whose resolved low threshold is above its high one."""
     crossed = (low > high).nonzero()
     if crossed.numel():
@@ -222,8 +254,8 @@ def _check_thresholds(low: torch.Tensor, high: torch.Tensor, shapes: Sequence[to
         datum = int(np.searchsorted(ends, token, side="right"))
         position = token - int(ends[datum]) + math.prod(shapes[datum])
         raise InvalidRequest(
-            f"datum {datum}: at token {position} the clip_low_threshold {float(low[token])} is "
-            f"above the clip_high_threshold {float(high[token])}"
+            f"datum {names[datum]}: at token {position} the clip_low_threshold "
+            f"{float(low[token])} is above the clip_high_threshold {float(high[token])}"
         )
 
 
