@@ -2,14 +2,19 @@
 
 Runs every training run's requests in seq_id order on one frozen base model per name with a LoRA
 adapter per run, and writes weights to the object store (TINSMITH_BLOB_URL). One replica: it holds
-its runs in memory. Base models named in TINSMITH_BASE_MODELS load before it reports ready.
+its runs in memory. It computes where TINSMITH_DEVICE says (auto: a GPU if there is one), with base
+weights in TINSMITH_DTYPE, within TINSMITH_DEVICE_MEMORY_MB, and states that placement in its
+readiness answer and its log. Base models named in TINSMITH_BASE_MODELS load before it reports
+ready.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
-from tinsmith import runtime
+from services.device import DeviceError, placement_from_env
+from tinsmith import health, runtime
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 
@@ -17,10 +22,18 @@ from .config import TrainerConfig
 from .engine import TrainerEngine
 from .handlers import Trainer
 
+log = logging.getLogger(__name__)
+
 
 async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = TrainerConfig.from_env()
-    engine = TrainerEngine(config.cache_dir, config.torch_threads)
+    try:
+        placement = placement_from_env()
+    except DeviceError as exc:
+        raise SystemExit(f"trainer: {exc}") from None
+    health.state_fact("device", placement.describe())
+    log.info("the trainer computes on %s", placement.describe())
+    engine = TrainerEngine(config.cache_dir, config.torch_threads, placement)
     trainer = Trainer(bus, engine, BlobStore(config.blob_url), config)
     await runtime.preload_base_models(trainer.compute, engine.load_base)
     await trainer.start()

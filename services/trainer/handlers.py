@@ -21,6 +21,10 @@ Owns:
 - storing checkpoints;
 - letting go of idle runs: a run whose session stopped heart-beating is snapshotted to the object
   store and unloaded, and its next request restores it, also after a trainer restart;
+- making room on the device: when the engine says that a run, a base model or a step does not
+  fit what is free of its memory budget (``OutOfBudget``), the runs with nothing to do are
+  snapshotted and unloaded the same way, least recently used first, until it fits (a run that
+  comes back on its next request may unload another in turn);
 - stopping: the request running now finishes, every run in memory is snapshotted, and the
   requests still waiting go back to the queue for the next trainer.
 
@@ -36,7 +40,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -55,7 +59,7 @@ from tinsmith.tensors import model_input_tokens
 from tinsmith.workqueue import Delivery, WorkQueue, exhausted
 
 from .config import TrainerConfig
-from .engine import TrainerEngine
+from .engine import OutOfBudget, TrainerEngine
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -88,6 +92,7 @@ class _RunQueue:
     pending: dict[int, _Work] = field(default_factory=dict)
     busy: bool = False
     snapshot_key: str = ""  # set while the run is unloaded
+    used: float = field(default_factory=time.monotonic)  # when its latest request began
 
 
 class Trainer:
@@ -370,6 +375,7 @@ class Trainer:
         if handler is None:
             raise InternalError(f"the trainer does not know the command {command!r}")
         telemetry.queue_wait(command, delivery.published_ns, delivery.trace)
+        queue.used = time.monotonic()
 
         async def work() -> tuple[bytes, str]:
             if queue.snapshot_key:
@@ -426,11 +432,11 @@ class Trainer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._reaper_wake.wait(), timeout)
 
-    async def _unload(self, model_id: str, queue: _RunQueue) -> None:
+    async def _unload(self, model_id: str, queue: _RunQueue, why: str = "idle") -> None:
         queue.busy = True  # requests that arrive meanwhile wait, then restore
         try:
             with telemetry.tracer.start_as_current_span(
-                "trainer unload_idle_run", attributes=self._attributes(model_id, queue)
+                f"trainer unload_{why}_run", attributes=self._attributes(model_id, queue)
             ):
                 key = artifacts.snapshot_key(model_id, queue.next_seq)
                 await self._export(model_id, key, with_optimizer=True, with_gradients=True)
@@ -444,7 +450,7 @@ class Trainer:
                 await self.log.append(events.make(run_unloaded=unloaded))
                 await self.compute.run(self.engine.unload, model_id)
             queue.snapshot_key = key
-            log.info("unloaded run %s to %s", model_id, key)
+            log.info("unloaded run %s (%s) to %s", model_id, why, key)
         finally:
             queue.busy = False
             self._quiet.set()
@@ -472,6 +478,48 @@ class Trainer:
         queue.snapshot_key = ""
         self.last_seen[create.session_id] = time.monotonic()
 
+    async def _fitting(self, model_id: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """``attempt()``; when the engine says it does not fit the device's memory budget
+        (``OutOfBudget``), unload runs with nothing to do, least recently used first, and try
+        again; the refusal stands once none is left to unload."""
+        while True:
+            try:
+                return await attempt()
+            except OutOfBudget as exc:
+                if not await self._make_room(exc.short, keep=model_id):
+                    raise
+
+    async def _make_room(self, short: int, keep: str) -> bool:
+        """Snapshot and unload loaded runs that are neither running nor waiting to run (other
+        than ``keep``), least recently used first, until about ``short`` bytes are free. False
+        if there was none to unload."""
+        if self.stopping:
+            return False
+        candidates = sorted(
+            (queue.used, model_id)
+            for model_id, queue in self.queues.items()
+            if model_id != keep and model_id in self.engine.runs
+        )
+        freed, unloaded = 0, 0
+        for _, model_id in candidates:
+            queue = self.queues[model_id]
+            run = self.engine.runs.get(model_id)
+            # Checked right before: it may have been given work, or unloaded, meanwhile.
+            if queue.busy or queue.pending or queue.snapshot_key or run is None:
+                continue
+            size = run.state_bytes
+            try:
+                await self._unload(model_id, queue, why="lru")
+            except Exception:
+                log.exception("could not unload run %s to make room on the device", model_id)
+                continue
+            log.info("unloaded run %s, the least recently used, for %s", model_id, keep)
+            freed += size
+            unloaded += 1
+            if freed >= short:
+                break
+        return unloaded > 0
+
     # -- commands ------------------------------------------------------------------------------
 
     async def _create_model(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
@@ -480,8 +528,15 @@ class Trainer:
         if command.load_key:
             await self._with_checkpoint(command.load_key, self.engine.create_run, model_id, command)
         else:
-            await self.compute.traced(
-                "create_run", self._attributes(model_id), self.engine.create_run, model_id, command
+            await self._fitting(
+                model_id,
+                lambda: self.compute.traced(
+                    "create_run",
+                    self._attributes(model_id),
+                    self.engine.create_run,
+                    model_id,
+                    command,
+                ),
             )
         created = bus.RunCreated(
             model_id=model_id,
@@ -520,8 +575,11 @@ class Trainer:
             "tinsmith.batch_size": len(request.data),
             "tinsmith.tokens": tokens,
         }
-        output = await self.compute.traced(
-            op, attributes, self.engine.forward_backward, accepted.aggregate_id, request
+        output = await self._fitting(
+            accepted.aggregate_id,
+            lambda: self.compute.traced(
+                op, attributes, self.engine.forward_backward, accepted.aggregate_id, request
+            ),
         )
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         return output, PROTOBUF
@@ -606,8 +664,11 @@ class Trainer:
                 await self.blobs.get_dir(key, Path(tmp))
             except FileNotFoundError as exc:
                 raise NotFound(f"the checkpoint is gone from the object store: {exc}") from exc
-            return await self.compute.traced(
-                "load", self._attributes(model_id), fn, model_id, *args, Path(tmp)
+            return await self._fitting(
+                model_id,
+                lambda: self.compute.traced(
+                    "load", self._attributes(model_id), fn, model_id, *args, Path(tmp)
+                ),
             )
 
 

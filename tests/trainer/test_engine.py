@@ -110,10 +110,25 @@ def _rl_request(seed: int, loss_fn: str, sampling_logprob: float) -> tp.ForwardB
 
 
 def _out_of_vocabulary(seed: int) -> tp.ForwardBackwardRequest:
-    """A batch whose forward pass runs and whose loss then raises (a target id past the vocab)."""
+    """A batch refused before its forward pass (a target id past the vocabulary)."""
     request = _request(seed)
     target = request.data[1].loss_fn_inputs["target_tokens"]
     target.dense = np.full(target.shape[0], 10**6, "<i8").tobytes()
+    return request
+
+
+def _crossed_thresholds(seed: int) -> tp.ForwardBackwardRequest:
+    """A batch whose forward pass runs and whose loss then raises: a ppo token whose clip_low
+    threshold is above its clip_high one."""
+    request = _rl_request(seed, "ppo", -6.0)
+    datum = request.data[1]
+    n = datum.loss_fn_inputs["target_tokens"].shape[0]
+    for key, value in (("clip_low_threshold", 0.8), ("clip_high_threshold", 1.2)):
+        values = np.full(n, value, "<f4")
+        values[3] = 2.0 if key == "clip_low_threshold" else 0.5
+        datum.loss_fn_inputs[key].CopyFrom(
+            tp.Tensor(dense=values.tobytes(), dtype=tp.DTYPE_FLOAT32, shape=[n])
+        )
     return request
 
 
@@ -146,8 +161,14 @@ def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) 
         (_rl_request(7, "importance_sampling", -1e30), Unprocessable, "importance ratio"),
         (_rl_request(7, "ppo", -1e30), Unprocessable, "gradients of this batch are not finite"),
         (_out_of_vocabulary(7), InvalidRequest, "outside the model's vocabulary"),
+        (_crossed_thresholds(7), InvalidRequest, "datum 1: at token 3 the clip_low_threshold"),
     ],
-    ids=["non-finite-loss", "non-finite-gradients", "raises-after-the-forward-pass"],
+    ids=[
+        "non-finite-loss",
+        "non-finite-gradients",
+        "refused-before-the-forward-pass",
+        "raises-after-the-forward-pass",
+    ],
 )
 def test_a_failed_forward_backward_leaves_the_accumulated_gradients_exactly(
     engine: TrainerEngine, bad: tp.ForwardBackwardRequest, error: type[Exception], detail: str

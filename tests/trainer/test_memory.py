@@ -27,7 +27,7 @@ from services.trainer.engine import (
 from tinsmith import artifacts, models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import Unavailable
+from tinsmith.failures import Unavailable, Unprocessable
 from tinsmith.losses import LOSSES, config_of
 from tinsmith.tensors import batched, decode_tensor, unbatch
 
@@ -319,6 +319,26 @@ def test_a_batch_that_does_not_fit_runs_in_micro_batches_with_the_one_pass_resul
     for name, weight in _weights(tight, "run").items():
         # AdamW divides by each gradient's own size: a small one's rounding shows, up to 1e-3 lr.
         torch.testing.assert_close(weight, _weights(roomy, "run")[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_split_batch_that_fails_in_a_later_pass_leaves_the_gradients_as_they_were(
+    pair: tuple[TrainerEngine, TrainerEngine],
+) -> None:
+    """The first micro-batch's gradients are in by the time the last one's loss overflows."""
+    _, tight = pair
+    tight.forward_backward("run", _request(0, (7, 11)))
+    before = _grads(tight, "run")
+    lengths = (9, 30, 5, 17)
+    _tighten(tight, free=max(tight.activation_bytes(TINY, [n], backward=True) for n in lengths))
+    bad = _request(1, lengths, "importance_sampling")
+    last = bad.data[3].loss_fn_inputs["logprobs"]
+    last.dense = np.full(17, -1e30, "<f4").tobytes()
+
+    with pytest.raises(Unprocessable, match="datum 3: the importance_sampling loss"):
+        tight.forward_backward("run", bad)
+
+    assert len(tight.last_plan) > 1 and 3 not in tight.last_plan[0].datums
+    assert _same_grads(_grads(tight, "run"), before)
 
 
 def test_a_datum_that_does_not_fit_alone_runs_with_activation_checkpointing(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,7 +44,7 @@ class Harness:
 
     @contextlib.asynccontextmanager
     async def trainer(
-        self, idle_unload_s: float = 3600.0, **config: float
+        self, idle_unload_s: float = 3600.0, engine: TrainerEngine | None = None, **config: float
     ) -> AsyncIterator[Trainer]:
         settings = TrainerConfig(
             blob_url=self.blob_url,
@@ -53,7 +54,10 @@ class Harness:
         )
         connection = await Bus.connect(self.nats_url, name="test-trainer")
         trainer = Trainer(
-            connection, TrainerEngine(settings.cache_dir), BlobStore(self.blob_url), settings
+            connection,
+            engine or TrainerEngine(settings.cache_dir),
+            BlobStore(self.blob_url),
+            settings,
         )
         await trainer.start()
         try:
@@ -74,8 +78,10 @@ class Harness:
         await self.eventlog.append(events.make(request_accepted=accepted), msg_id=request_id)
         return request_id
 
-    async def create(self, model_id: str) -> str:
-        lora = bus.LoraConfig(rank=4, seed=1, train_mlp=True, train_attn=True, train_unembed=True)
+    async def create(self, model_id: str, rank: int = 4) -> str:
+        lora = bus.LoraConfig(
+            rank=rank, seed=1, train_mlp=True, train_attn=True, train_unembed=True
+        )
         create = bus.CreateModel(session_id="S", base_model=models.TINY, lora=lora)
         return await self.accept(model_id, 0, create_model=create)
 
@@ -364,3 +370,81 @@ async def test_a_stop_is_quick_snapshots_its_runs_and_hands_the_waiting_requests
         outcomes = await harness.settled(gap, waiting, timeout=30)
     assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
     assert await harness.completion_order("kept") == [0, 1, 2, 3]
+
+
+# -- the device's memory ------------------------------------------------------------------------
+
+
+async def test_runs_that_do_not_fit_the_device_unload_the_least_recently_used(
+    harness: Harness,
+) -> None:
+    """A budget of the base model, two runs and a step's activations: creating a third run
+    unloads the least recently used one (snapshotted, as an idle run is); its next request
+    restores it, with its pending gradients, and unloads the next least recently used."""
+    lora = bus.LoraConfig(rank=128, seed=1, train_mlp=True, train_attn=True, train_unembed=True)
+    create = bus.CreateModel(session_id="S", base_model=models.TINY, lora=lora)
+    reference = TrainerEngine(models.default_cache_dir())
+    reference.create_run("reference", create)
+    run_bytes = reference.runs["reference"].state_bytes
+    # A forward_backward sets aside three quarters of a run (gradients) beyond its activations.
+    step = reference.activation_bytes(models.TINY, [11, 11], backward=True) + run_bytes * 3 // 4
+    budget = reference.held_bytes() + run_bytes + step + 4096  # two runs and a step, not three
+    assert budget < reference.held_bytes() + 2 * run_bytes
+    placement = dataclasses.replace(reference.placement, memory_bytes=budget)
+    engine = TrainerEngine(models.default_cache_dir(), placement=placement)
+    runs = harness.projection.state.runs
+
+    async with harness.trainer(engine=engine):
+        await harness.settled(await harness.create("oldest", rank=128))
+        await harness.settled(await harness.create("older", rank=128))
+        await harness.settled(
+            await harness.accept("oldest", 1, forward_backward=_batch(1)),
+            await harness.accept("older", 1, forward_backward=_batch(2)),
+        )
+        assert set(engine.runs) == {"oldest", "older"}
+
+        (created,) = await harness.settled(await harness.create("newest", rank=128))
+        assert created.status is jobs.Status.COMPLETED
+        assert set(engine.runs) == {"older", "newest"}
+        assert runs["oldest"].snapshot is not None and runs["older"].snapshot is None
+
+        (stepped,) = await harness.settled(
+            await harness.accept("oldest", 2, optim_step=bus.OptimStep(adam=ADAM))
+        )
+        assert stepped.status is jobs.Status.COMPLETED
+        assert set(engine.runs) == {"oldest", "newest"}  # "older" was the least recently used
+        assert runs["older"].snapshot is not None
+
+        reference.forward_backward("reference", _batch(1))
+        reference.optim_step("reference", ADAM)
+        restored = [p.detach() for p in engine.runs["oldest"].params.values()]
+        expected = [p.detach() for p in reference.runs["reference"].params.values()]
+        for got, want in zip(restored, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert engine.held_bytes() <= budget
+
+
+async def test_a_step_that_runs_out_of_device_memory_fails_alone(harness: Harness) -> None:
+    engine = TrainerEngine(models.default_cache_dir())
+    async with harness.trainer(engine=engine) as trainer:
+        await harness.settled(await harness.create("squeezed"))
+        armed = [True]
+
+        def exhausted(*_: object) -> None:
+            if armed[0]:
+                armed[0] = False
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+        model = engine.bases[models.TINY].get_base_model()
+        model.get_decoder().layers[0].mlp.register_forward_hook(exhausted)
+        failed, *done = await harness.settled(
+            await harness.accept("squeezed", 1, forward_backward=_batch(1)),
+            await harness.accept("squeezed", 2, forward_backward=_batch(1)),
+            await harness.accept("squeezed", 3, optim_step=bus.OptimStep(adam=ADAM)),
+        )
+
+        assert _status(failed) == ("failed", "unavailable")
+        assert "ran out of memory during this forward_backward" in failed.error_detail
+        assert "TINSMITH_DEVICE_MEMORY_MB" in failed.error_detail
+        assert all(outcome.status is jobs.Status.COMPLETED for outcome in done)
+        assert trainer.engine.runs["squeezed"].params
