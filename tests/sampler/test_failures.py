@@ -198,3 +198,37 @@ async def test_a_request_on_its_last_delivery_is_failed_without_running(
     assert f"request {poison} was taken {MAX_DELIVER} times" in failed.error_detail
     assert f"failed request {poison} without running it" in caplog.text
     await _nothing_left(eventlog)
+
+
+async def test_the_service_states_its_device_and_fails_what_its_budget_cannot_hold(
+    eventlog: EventLog, projection: FollowedProjection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service as `python -m services.sampler` starts it: on TINSMITH_DEVICE, within
+    TINSMITH_DEVICE_MEMORY_MB, which it states; a request that could never fit is failed as the
+    caller's (400), with its need and the budget, and the others are served."""
+    from services.sampler.__main__ import start
+    from tinsmith import health
+
+    for name, value in {
+        "TINSMITH_BLOB_URL": "memory://",
+        "TINSMITH_CACHE_DIR": str(models.default_cache_dir()),
+        "TINSMITH_SAMPLER_ENGINE": "torch",
+        "TINSMITH_DEVICE": "cpu",
+        "TINSMITH_DEVICE_MEMORY_MB": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(health, "_FACTS", {})  # this process's facts, as they were after
+    stop = await start(eventlog.bus)
+    try:
+        stated = health.facts()["device"]
+        assert stated.startswith("cpu (") and "float32" in stated and "(torch engine)" in stated
+        small = await _accept(eventlog, 0)
+        huge = await _accept(eventlog, 1, max_tokens=100_000)
+        states = await _settled(projection, small, huge)
+    finally:
+        await stop()
+    assert [s.status for s in states] == [jobs.Status.COMPLETED, jobs.Status.FAILED]
+    assert states[1].error_kind == "invalid_request"
+    detail = states[1].error_detail
+    assert "even alone, more than its budget of 2.0 MiB (TINSMITH_DEVICE_MEMORY_MB)" in detail
+    assert "3 prompt + 100000 sampled tokens" in detail
