@@ -113,7 +113,7 @@ class Trainer:
             "trainer-compute",
             engine.init_compute_thread,
             device=engine.device,
-            gpu_clock=gpu.cuda_clock(),
+            gpu_clock=gpu.cuda_clock(engine.device()),
         )
         self.queues: dict[str, _RunQueue] = {}
         self.last_seen: dict[str, float] = {}  # session id -> monotonic time of last sign of life
@@ -127,7 +127,7 @@ class Trainer:
 
     async def start(self) -> None:
         telemetry.observe_models(self.engine.loaded)
-        gpu.observe_memory()
+        gpu.observe_memory(self.engine.device())
         telemetry.observe(
             "tinsmith.queue.depth",
             lambda: {
