@@ -21,6 +21,7 @@ One code path serves every device: the engines take a ``Placement`` and put tens
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -31,11 +32,14 @@ import torch
 DEVICE_VARIABLE = "TINSMITH_DEVICE"
 DTYPE_VARIABLE = "TINSMITH_DTYPE"
 MEMORY_VARIABLE = "TINSMITH_DEVICE_MEMORY_MB"
+SHARE_VARIABLE = "TINSMITH_DEVICE_MEMORY_SHARE"
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(?::[0-9]{1,3})?")
-# Of a GPU's memory, what the engines plan to use by default: the rest is for the CUDA context,
-# the caching allocator's fragmentation and other processes' kernels.
+# Of a GPU's memory, what an engine plans to use by default: the rest is for the CUDA context,
+# the caching allocator's fragmentation and other processes' kernels. Where two engines share
+# one GPU (``tinsmith up``: the trainer and the sampler), each gets half of it
+# (TINSMITH_DEVICE_MEMORY_SHARE).
 _GPU_SHARE = 0.9
 
 
@@ -81,9 +85,23 @@ def placement_from_env(env: Mapping[str, str] = os.environ) -> Placement:
             raise DeviceError(f"{MEMORY_VARIABLE} must be a positive number of MiB, got {raw!r}")
         budget = int(raw) << 20
     else:
-        total = total_memory(device)
-        budget = int(total * _GPU_SHARE) if device.type != "cpu" else total
+        share = _share(env.get(SHARE_VARIABLE, "").strip(), device)
+        budget = int(total_memory(device) * share)
     return Placement(device=device, dtype=dtype, memory_bytes=budget)
+
+
+def _share(raw: str, device: torch.device) -> float:
+    """The fraction of the device's memory this engine plans with: TINSMITH_DEVICE_MEMORY_SHARE,
+    else 90% of a GPU and all of the CPU's."""
+    if not raw:
+        return 1.0 if device.type == "cpu" else _GPU_SHARE
+    try:
+        share = float(raw)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise DeviceError(f"{SHARE_VARIABLE} must be a fraction in (0, 1], got {raw!r:.40}")
+    return share
 
 
 def resolve_device(name: str) -> torch.device:

@@ -64,3 +64,16 @@ def test_out_of_memory_errors_are_told_from_others() -> None:
     assert device.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory"))
     assert not device.is_out_of_memory(RuntimeError("shape mismatch"))
     assert not device.is_out_of_memory(ValueError("out of memory"))
+
+
+def test_a_share_of_the_devices_memory_is_the_budget_when_no_size_is_set() -> None:
+    cpu = torch.device("cpu")
+    half = placement_from_env({"TINSMITH_DEVICE": "cpu", "TINSMITH_DEVICE_MEMORY_SHARE": "0.45"})
+    assert half.memory_bytes == int(device.total_memory(cpu) * 0.45)
+    sized = placement_from_env(
+        {"TINSMITH_DEVICE_MEMORY_SHARE": "0.45", "TINSMITH_DEVICE_MEMORY_MB": "64"}
+    )
+    assert sized.memory_bytes == 64 << 20  # a size set wins over a share
+    for bad in ("0", "1.5", "half", "-0.2"):
+        with pytest.raises(DeviceError, match="TINSMITH_DEVICE_MEMORY_SHARE"):
+            placement_from_env({"TINSMITH_DEVICE_MEMORY_SHARE": bad})

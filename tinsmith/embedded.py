@@ -31,6 +31,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from tinsmith import bus, health, models, subjects
 
 SERVICES = ("checkpoint", "trainer", "sampler", "gateway")
+ENGINES = ("trainer", "sampler")  # the services that compute on the device
 _PR_SET_PDEATHSIG = 1
 # In the data directory while the system runs: the URL of the NATS it runs on.
 NATS_URL_FILE = "nats.url"
@@ -181,6 +182,9 @@ class System:
         # readiness over NATS.
         for name in SERVICES:
             service_env = {**env, health.PORT_VARIABLE: str(self.health_ports[name])}
+            if name in ENGINES and not os.environ.get("TINSMITH_DEVICE_MEMORY_MB"):
+                # The trainer and the sampler share this machine's accelerator: half each.
+                service_env.setdefault("TINSMITH_DEVICE_MEMORY_SHARE", "0.45")
             self._spawn(name, [sys.executable, "-m", "tinsmith.cli", "serve", name], service_env)
         # Meanwhile the built-in models' tokenizers go into this user's Hugging Face hub cache:
         # get_info names them by model name, which a client here then loads offline.
