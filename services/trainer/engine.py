@@ -485,15 +485,28 @@ class TrainerEngine:
         devices.release(self.placement.device)
 
     def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
+        """The base model's PEFT wrapping with ``adapter`` added. If adding it fails (the device
+        runs out of memory, say), a half-added adapter is removed, and a base that was being
+        wrapped for the first time is dropped (it loads again on its next run)."""
         peft_model = self.bases.get(base_model)
         if peft_model is None:
             base = self._unwrapped.pop(base_model, None)
             if base is None:
                 base = self._load_base(base_model)
-            peft_model = get_peft_model(base, config, adapter_name=adapter)
+            try:
+                peft_model = get_peft_model(base, config, adapter_name=adapter)
+            except BaseException:
+                self._base_bytes.pop(base_model, None)
+                raise
             self.bases[base_model] = peft_model
         else:
-            peft_model.add_adapter(adapter, config)
+            try:
+                peft_model.add_adapter(adapter, config)
+            except BaseException:
+                if adapter in peft_model.peft_config:
+                    peft_model.delete_adapter(adapter)
+                self._active.pop(base_model, None)
+                raise
         return peft_model
 
     def _activate(self, model_id: str) -> tuple[Run, PeftModel]:
