@@ -448,3 +448,54 @@ async def test_a_step_that_runs_out_of_device_memory_fails_alone(harness: Harnes
         assert "TINSMITH_DEVICE_MEMORY_MB" in failed.error_detail
         assert all(outcome.status is jobs.Status.COMPLETED for outcome in done)
         assert trainer.engine.runs["squeezed"].params
+
+
+async def test_the_service_states_its_device_and_refuses_what_its_budget_cannot_hold(
+    harness: Harness, eventlog: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The service as `python -m services.trainer` starts it: on TINSMITH_DEVICE, within
+    TINSMITH_DEVICE_MEMORY_MB, which it states; a datum that could not fit even with activation
+    checkpointing is refused as the caller's (422), with its need and the budget, and the run's
+    other requests are served."""
+    from services.trainer.__main__ import start
+    from tinsmith import health
+
+    for name, value in {
+        "TINSMITH_BLOB_URL": "memory://trainer-service-test",
+        "TINSMITH_CACHE_DIR": str(models.default_cache_dir()),
+        "TINSMITH_DEVICE": "cpu",
+        "TINSMITH_DTYPE": "",
+        "TINSMITH_DEVICE_MEMORY_MB": "4",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TINSMITH_BASE_MODELS", raising=False)
+    monkeypatch.setattr(health, "_FACTS", {})  # this process's facts, as they were after
+    stop = await start(eventlog.bus)
+    try:
+        stated = health.facts()["device"]
+        assert stated.startswith("cpu (") and "float32 base weights" in stated
+        await harness.create("budgeted")
+        outcomes = await harness.settled(
+            await harness.accept("budgeted", 1, forward_backward=_batch(1, datums=2, length=900)),
+            await harness.accept("budgeted", 2, forward_backward=_batch(2)),
+            await harness.accept("budgeted", 3, optim_step=bus.OptimStep(adam=ADAM)),
+        )
+    finally:
+        await stop()
+    refused, *served = outcomes
+    assert _status(refused) == ("failed", "unprocessable")
+    assert "datum 0 (900 tokens of tinsmith/tiny) needs about" in refused.error_detail
+    assert "even with activation checkpointing" in refused.error_detail
+    assert "budget of 4.0 MiB (TINSMITH_DEVICE_MEMORY_MB)" in refused.error_detail
+    assert all(outcome.status is jobs.Status.COMPLETED for outcome in served)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+async def test_a_device_the_machine_lacks_stops_the_service(
+    eventlog: EventLog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.trainer.__main__ import start
+
+    monkeypatch.setenv("TINSMITH_DEVICE", "cuda")
+    with pytest.raises(SystemExit, match="trainer: TINSMITH_DEVICE=cuda but this torch sees no"):
+        await start(eventlog.bus)
