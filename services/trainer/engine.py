@@ -85,7 +85,7 @@ HEAD_CHUNK_BYTES = 64 << 20
 # activations, but each LoRA module computes in float32 on a float32 copy of its input, which it
 # keeps for the backward pass, so the saving is small: measured with saved-tensor hooks, every
 # module a LoRA target, a bfloat16 base keeps 0.85 of what a float32 one keeps on tinsmith/small
-# and 0.92 on SmolLM2-135M (tests/trainer/test_memory.py checks the bound on tinsmith/small).
+# and 0.92 on SmolLM2-135M (tests/trainer/test_memory.py checks the bound on tinsmith/tiny).
 ACTIVATION_SCALE = {torch.float32: 1.0, torch.bfloat16: 0.95, torch.float16: 0.95}
 # Per adapter tensor, what a run keeps: the weights, their gradients and AdamW's two moments,
 # all float32.
@@ -547,6 +547,8 @@ class TrainerEngine:
                 for datum in request.data
             ],
         )
+        if not batch.tokens:
+            raise InvalidRequest("forward_backward needs at least one datum")
         vocab = self._vocab[run.base_model]
         for i, (n, datum_inputs) in enumerate(zip(batch.lengths, batch.inputs, strict=True)):
             if "target_tokens" not in datum_inputs:
