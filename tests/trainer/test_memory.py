@@ -444,3 +444,41 @@ def test_running_out_of_device_memory_fails_the_request_alone() -> None:
         engine.forward_backward("run", _request(2, (7, 11)))
         engine.optim_step("run", ADAM)
     assert all(torch.equal(a, b) for a, b in zip(*map(_weights_list, (hit, clean)), strict=True))
+
+
+# -- on a GPU (skipped without one; not run by this work, which had none) -------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_cuda_device_the_engine_trains_there(tmp_path: Path) -> None:
+    """The same run on the CPU in float32, on CUDA in float32 and on CUDA in bfloat16: the
+    weights where the placement says, float32 outputs close to the CPU's, float32 gradients, and
+    a checkpoint that loads back on the CPU."""
+    engines = {}
+    for where, dtype in (("cpu", torch.float32), ("cuda", torch.float32), ("cuda", torch.bfloat16)):
+        placement = Placement(torch.device(where), dtype, HUGE)
+        engine = TrainerEngine(models.default_cache_dir(), placement=placement)
+        engine.init_compute_thread()
+        _create(engine, "run", seed=5)
+        assert {p.device.type for p in engine.bases[TINY].parameters()} == {where}
+        engines[(where, dtype)] = engine
+    request = _request(4, (9, 30, 5), "ppo")
+    outputs = {key: _outputs(e.forward_backward("run", request)) for key, e in engines.items()}
+    cpu = outputs[("cpu", torch.float32)]
+    for key, tolerance in ((("cuda", torch.float32), 1e-4), (("cuda", torch.bfloat16), 0.1)):
+        for got, want in zip(outputs[key][0], cpu[0], strict=True):
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got, want, atol=tolerance)
+        run = engines[key].runs["run"]
+        assert all(
+            p.grad is not None and p.grad.dtype == torch.float32 for p in run.params.values()
+        )
+        assert engines[key].held_bytes() >= torch.cuda.memory_allocated()
+    gpu = engines[("cuda", torch.bfloat16)]
+    gpu.optim_step("run", ADAM)
+    gpu.export("run", tmp_path, with_optimizer=True)
+    engines[("cpu", torch.float32)].load("run", tmp_path, with_optimizer=True)
+    for a, b in zip(
+        _weights_list(gpu), _weights_list(engines[("cpu", torch.float32)]), strict=True
+    ):
+        assert torch.equal(a.cpu(), b)
