@@ -69,10 +69,14 @@ class Placement:
             name = torch.cuda.get_device_name(self.device)
         total = total_memory(self.device)
         return (
-            f"{self.device} ({name}, {total / 2**30:.1f} GiB), "
+            f"{self.device} ({name}, {_size(total)}), "
             f"{str(self.dtype).removeprefix('torch.')} base weights, "
-            f"a budget of {self.memory_bytes / 2**30:.1f} GiB"
+            f"a budget of {_size(self.memory_bytes)}"
         )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
 
 
 def placement_from_env(env: Mapping[str, str] = os.environ) -> Placement:

@@ -53,6 +53,7 @@ def test_the_dtype_is_the_devices_default_or_the_one_asked_for() -> None:
 def test_the_memory_budget_is_the_devices_or_the_one_set() -> None:
     placement = placement_from_env({"TINSMITH_DEVICE": "cpu", "TINSMITH_DEVICE_MEMORY_MB": "64"})
     assert placement.memory_bytes == 64 << 20
+    assert placement.describe().endswith("a budget of 64 MiB")
     for bad in ("0", "-1", "lots", "1.5"):
         with pytest.raises(DeviceError, match="TINSMITH_DEVICE_MEMORY_MB"):
             placement_from_env({"TINSMITH_DEVICE_MEMORY_MB": bad})
