@@ -319,7 +319,7 @@ def create_model(call: Call, request: CreateModel) -> Decision[Future]:
     existing = _existing(call, model_id, 0)
     if existing is not None:
         return Done(existing)
-    spec = base_model(request.base_model)
+    spec = models.get(request.base_model)
     lora = request.lora
     checks.check_lora(call.limits, lora)
     lora_layout.target_modules(
@@ -477,7 +477,7 @@ def _loadable(call: Call, path: str, with_optimizer: bool, base: str) -> bus.Wei
             f"{path} holds sampler weights only; loading with the optimizer needs a training "
             "checkpoint (tinker://<run>/weights/<name>, from save_state)"
         )
-    if base and base_model(base).name != checkpoint.base_model:
+    if base and models.get(base).name != checkpoint.base_model:
         raise InvalidRequest(f"{path} was trained on {checkpoint.base_model}, not {base}")
     return checkpoint
 
@@ -494,7 +494,7 @@ def create_sampler(call: Call, request: CreateSampler) -> Decision[str]:
     created = bus.SamplerCreated(sampler_id=sampler_id, session_id=owner.session_id)
     if request.model_path:
         checkpoint = readable_checkpoint(call, request.model_path)
-        if request.base_model and base_model(request.base_model).name != checkpoint.base_model:
+        if request.base_model and models.get(request.base_model).name != checkpoint.base_model:
             raise InvalidRequest(
                 f"{request.model_path} was trained on {checkpoint.base_model}, not "
                 f"{request.base_model}"
@@ -503,7 +503,7 @@ def create_sampler(call: Call, request: CreateSampler) -> Decision[str]:
         created.model_path = request.model_path
         created.adapter_key = checkpoint.blob_key
     elif request.base_model:
-        created.base_model = base_model(request.base_model).name
+        created.base_model = models.get(request.base_model).name
     else:
         raise InvalidRequest("create_sampling_session needs base_model or model_path")
     return Append(events.make(sampler_created=created), sampler_id, aggregate="sampler")
@@ -640,10 +640,6 @@ def downloadable(call: Call, blob_key: str) -> bus.WeightsSaved:
         ):
             return held
     raise NotFound("the file is no longer available: its checkpoint was deleted or unpublished")
-
-
-def base_model(name: str) -> models.ModelSpec:
-    return models.get(name)
 
 
 # -- helpers -----------------------------------------------------------------------------------

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import numpy as np
 from google.protobuf.message import Message
 
@@ -370,10 +372,11 @@ def fb_request(
 def over_bus(c: Ctx) -> bytes:
     """A valid forward_backward request with an unknown field that takes it over 8 MiB."""
     pad = b"x" * OVER_BUS
-    return fb_request(c).SerializeToString() + _varint(1000 << 3 | 2) + _varint(len(pad)) + pad
+    return fb_request(c).SerializeToString() + varint(1000 << 3 | 2) + varint(len(pad)) + pad
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf varint."""
     out = bytearray()
     while True:
         byte, n = n & 0x7F, n >> 7
@@ -1298,3 +1301,27 @@ RPC_CASES: list[Rpc] = [
         "id",
     ),
 ]
+
+
+def settle(
+    http: httpx.Client,
+    request_id: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+) -> httpx.Response:
+    """retrieve_future until the request has an outcome (a result or a failure)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = http.post(
+            "/api/v1/retrieve_future",
+            json={"request_id": request_id, "allow_metadata_only": False},
+            headers={"Accept": "application/x-protobuf", **(headers or {})},
+        )
+        pending = reply.status_code == 408 or (
+            reply.status_code == 200
+            and reply.headers.get("content-type", "").startswith("application/json")
+            and reply.json().get("type") == "try_again"
+        )
+        if not pending:
+            return reply
+        assert time.monotonic() < deadline, f"{request_id} has no outcome after {timeout_s} s"

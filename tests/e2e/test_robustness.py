@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -54,6 +53,7 @@ from tests.e2e.robustness_cases import (
     encode,
     fb_request,
     over_bus,
+    settle,
     weights_shaped,
 )
 from tinsmith._proto import service_pb2 as svc
@@ -132,7 +132,7 @@ def ctx(robust: RunningSystem, http: httpx.Client) -> Iterator[Ctx]:
     create = {**VALID["create_model"], "session_id": session_id, "model_seq_id": 0}
     accepted = http.post(API + "/create_model", content=encode(create))
     assert accepted.status_code == 200, accepted.text
-    assert _settle(http, accepted.json()["request_id"], 60).status_code == 200
+    assert settle(http, accepted.json()["request_id"], 60).status_code == 200
     sampling = {
         **VALID["create_sampling_session"],
         "session_id": session_id,
@@ -234,25 +234,6 @@ def call(
     except grpc.RpcError as error:
         return error.code(), error.details() or ""
     return grpc.StatusCode.OK, ""
-
-
-def _settle(http: httpx.Client, request_id: str, timeout_s: float) -> httpx.Response:
-    """retrieve_future until the request has an outcome (a result or a failure)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        reply = http.post(
-            API + "/retrieve_future",
-            json={"request_id": request_id, "allow_metadata_only": False},
-            headers={"Accept": "application/x-protobuf"},
-        )
-        pending = reply.status_code == 408 or (
-            reply.status_code == 200
-            and reply.headers.get("content-type", "").startswith("application/json")
-            and reply.json().get("type") == "try_again"
-        )
-        if not pending:
-            return reply
-        assert time.monotonic() < deadline, f"{request_id} has no outcome after {timeout_s} s"
 
 
 # -- the valid requests the cases derive from ---------------------------------------------------
@@ -366,7 +347,7 @@ def test_a_poison_sample_does_not_stop_sampling_for_other_users(
             assert len(response.sequences) == 2
             assert all(sequence.tokens for sequence in response.sequences)
         for request_id in poisons:  # each poison has an outcome of its own, and no 5xx
-            outcome = _settle(http, request_id, 60)
+            outcome = settle(http, request_id, 60)
             assert outcome.status_code == 200, outcome.text[:300]
     finally:
         service.close("success").result(timeout=30)
@@ -385,7 +366,7 @@ def _new_run(http: httpx.Client, ctx: Ctx) -> str:
     body = derive("create_model")(ctx)
     accepted = http.post(API + "/create_model", content=encode(body))
     assert accepted.status_code == 200, accepted.text[:300]
-    assert _settle(http, accepted.json()["request_id"], 60).status_code == 200
+    assert settle(http, accepted.json()["request_id"], 60).status_code == 200
     return str(accepted.json()["model_id"])
 
 
@@ -403,13 +384,13 @@ def test_a_refused_request_does_not_wedge_its_run(http: httpx.Client, ctx: Ctx) 
     good = fb_request(ctx, model_id=model_id, seq=2).SerializeToString()
     accepted = http.post(API + "/forward_backward", content=good, headers=PROTOBUF)
     assert accepted.status_code == 200, accepted.text[:300]
-    outcome = _settle(http, accepted.json()["request_id"], 30)
+    outcome = settle(http, accepted.json()["request_id"], 30)
     assert outcome.headers["content-type"].startswith("application/x-protobuf"), outcome.text
     assert tp.ForwardBackwardOutput.FromString(outcome.content).metrics["loss:sum"] > 0
     step = {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 1e-3}}
     accepted = http.post(API + "/optim_step", json=step)
     assert accepted.status_code == 200, accepted.text[:300]
-    assert "grad_norm:mean" in _settle(http, accepted.json()["request_id"], 30).json()["metrics"]
+    assert "grad_norm:mean" in settle(http, accepted.json()["request_id"], 30).json()["metrics"]
 
 
 def test_a_refused_request_does_not_wedge_its_run_over_grpc(
@@ -451,7 +432,7 @@ def test_a_forward_backward_refused_for_its_size_does_not_wedge_its_run(
     good = fb_request(ctx, model_id=model_id, seq=2).SerializeToString()
     accepted = http.post(API + "/forward_backward", content=good, headers=PROTOBUF)
     assert accepted.status_code == 200, accepted.text[:300]
-    outcome = _settle(http, accepted.json()["request_id"], 30)
+    outcome = settle(http, accepted.json()["request_id"], 30)
     assert outcome.headers["content-type"].startswith("application/x-protobuf"), outcome.text
 
 
@@ -464,7 +445,7 @@ def test_a_save_with_a_ttl_beyond_ten_years_is_refused_and_cannot_break_the_cata
     save = {"model_id": model_id, "seq_id": 1, "path": "far-future", "ttl_seconds": 2**62}
     reply = http.post(API + "/save_weights", json=save)
     if reply.status_code == 200:
-        _settle(http, reply.json()["request_id"], 30)
+        settle(http, reply.json()["request_id"], 30)
     listed = http.get(f"{API}/training_runs/{model_id}/checkpoints")
     assert listed.status_code == 200, listed.text[:300]
     assert reply.status_code == 400, reply.text[:300]
@@ -479,7 +460,7 @@ def test_a_sample_whose_result_cannot_be_stored_is_refused_up_front(
     body = derive("asample", {**TOO_BIG_RESULT, "sampling_params.stop": []})(ctx)
     reply = http.post(API + "/asample", content=encode(body))
     if reply.status_code == 200:  # accepted: say how it ended
-        outcome = _settle(http, reply.json()["request_id"], 120)
+        outcome = settle(http, reply.json()["request_id"], 120)
         pytest.fail(
             f"accepted; its future then answered {outcome.status_code}: {outcome.text[:300]!r}"
         )
@@ -488,7 +469,7 @@ def test_a_sample_whose_result_cannot_be_stored_is_refused_up_front(
     later = derive("asample")(ctx)  # and the sampler keeps serving
     accepted = http.post(API + "/asample", content=encode(later))
     assert accepted.status_code == 200, accepted.text[:300]
-    assert _settle(http, accepted.json()["request_id"], 60).status_code == 200
+    assert settle(http, accepted.json()["request_id"], 60).status_code == 200
 
 
 def _not_http(robust: RunningSystem, request: bytes) -> tuple[int, str, dict[str, Any]]:

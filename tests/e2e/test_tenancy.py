@@ -36,7 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tinker import types
 
 from tests.conftest import RunningSystem, start_system, stop_system
-from tests.e2e.robustness_cases import PROMPT, PROTOBUF, TOKENS, datum
+from tests.e2e import robustness_cases
+from tests.e2e.robustness_cases import PROMPT, PROTOBUF, TOKENS, datum, varint
 from tinsmith import keyadmin, tenants
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
@@ -213,22 +214,8 @@ def _sdk_datum() -> types.Datum:
 def settle(
     http: httpx.Client, api_key: str | None, request_id: str, timeout_s: float = 120
 ) -> httpx.Response:
-    """retrieve_future until the request has an outcome (a result or a failure)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        reply = http.post(
-            API + "/retrieve_future",
-            json={"request_id": request_id, "allow_metadata_only": False},
-            headers=key(api_key),
-        )
-        pending = reply.status_code == 408 or (
-            reply.status_code == 200
-            and reply.headers.get("content-type", "").startswith("application/json")
-            and reply.json().get("type") == "try_again"
-        )
-        if not pending:
-            return reply
-        assert time.monotonic() < deadline, f"{request_id} has no outcome after {timeout_s} s"
+    """retrieve_future, as ``api_key``'s tenant, until the request has an outcome."""
+    return robustness_cases.settle(http, request_id, timeout_s, headers=key(api_key))
 
 
 def succeeded(outcome: httpx.Response) -> bool:
@@ -920,15 +907,6 @@ def test_matrix(w: World, case: Case, who: str) -> None:
 
 def _padded(message: bytes, size: int) -> bytes:
     """``message`` with an unknown length-delimited field (number 1000) of ``size`` bytes."""
-
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            byte, n = n & 0x7F, n >> 7
-            out.append(byte | (0x80 if n else 0))
-            if not n:
-                return bytes(out)
-
     return message + varint(1000 << 3 | 2) + varint(size) + b"x" * size
 
 
