@@ -3,9 +3,11 @@
 Owns: starting the launcher (the ``tinsmith`` executable beside this Python) on a port and data
 directory of the caller's choosing, reading what it announces (the gRPC target, each service's
 metrics address, then ``tinsmith ready at URL``), and stopping it with SIGTERM, with SIGKILL to
-its process group as the last resort. Its output is read by a thread, never with ``select`` on a
-buffered pipe: the launcher writes its last lines in one burst, and lines already in a reader's
-buffer would never wake ``select``. Does not own: the launcher itself (tinsmith/embedded.py).
+its process group as the last resort (its children, each in a session of its own, then get
+SIGTERM from the kernel: ``PR_SET_PDEATHSIG``). Its output is read by a thread, never with
+``select`` on a buffered pipe: the launcher writes its last lines in one burst, and lines already
+in a reader's buffer would never wake ``select``. Does not own: the launcher itself
+(tinsmith/embedded.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
-from tinsmith.embedded import die_with_parent, free_port
+from tinsmith.embedded import free_port
+from tinsmith.supervision import die_with_parent
 
 READY = "tinsmith ready at "
 GRPC = "tinsmith gRPC at "

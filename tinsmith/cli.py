@@ -173,10 +173,6 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C while starting
     try:
         asyncio.run(system.start())
-        # Block the stop signals only now, after the children were started (they inherit the
-        # mask), and wait for them, or for a child to exit.
-        watched = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
-        signal.pthread_sigmask(signal.SIG_BLOCK, watched)
         # The ready line comes last; its last word is the HTTP URL.
         print(f"tinsmith gRPC at {system.grpc_target}", flush=True)
         for name in SERVICES:
@@ -186,17 +182,11 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
             if device:
                 print(f"tinsmith {name} computes on {device}", flush=True)
         print(f"tinsmith ready at {system.url}", flush=True)
-        while True:
-            info = signal.sigtimedwait(watched, 5.0)
-            if info is not None and info.si_signo in (signal.SIGINT, signal.SIGTERM):
-                return 0
-            exited = system.first_exit()
-            if exited:
-                print(
-                    f"tinsmith: {exited} exited; stopping (logs in {system.log_dir})",
-                    file=sys.stderr,
-                )
-                return 1
+        # From here a child that dies is started again (one line on stderr each time), until
+        # Ctrl-C, SIGTERM or SIGHUP. The children run in sessions of their own, so a terminal's
+        # Ctrl-C reaches only this process, which stops the services before the nats-server.
+        system.supervise({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+        return 0
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError) as exc:

