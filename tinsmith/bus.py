@@ -23,6 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import NotFoundError
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from tinsmith import subjects, telemetry
@@ -125,6 +126,13 @@ class Bus:
     async def get(self, stream: str, seq: int) -> bytes:
         msg = await self.js.get_msg(stream, seq)
         return msg.data or b""
+
+    async def get_message(self, stream: str, seq: int) -> tuple[bytes, Context, int]:
+        """A stored message by sequence: its payload, the trace context its headers carry, and
+        when the stream stored it (unix ns; 0 if unknown)."""
+        msg = await self.js.get_msg(stream, seq)
+        stored = int(msg.time.timestamp() * 1e9) if msg.time is not None else 0
+        return msg.data or b"", telemetry.extract(msg.headers), stored
 
     async def last_seq(self, stream: str) -> int:
         info = await self.js.stream_info(stream)

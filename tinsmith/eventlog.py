@@ -45,7 +45,9 @@ class EventLog:
         ack = await self.bus.publish(subject, events.encode(event), msg_id=msg_id)
         return int(ack.seq), bool(ack.duplicate)
 
-    async def put_result(self, request_id: str, body: bytes, media_type: str) -> int:
+    async def put_result(
+        self, request_id: str, body: bytes, media_type: str, *, epoch: int = 0
+    ) -> int:
         """Store a result, tagged with its media type; return its sequence in the results stream.
         A result over ``MAX_BODY_BYTES`` is refused (``ResultTooLarge``) before it is sent."""
         if len(body) > MAX_BODY_BYTES:
@@ -57,7 +59,7 @@ class EventLog:
         ack = await self.bus.publish(
             subjects.result_subject(request_id),
             _MEDIA_TYPES[media_type] + body,
-            msg_id=f"result:{request_id}",
+            msg_id=_once("result", request_id, epoch),
         )
         return int(ack.seq)
 
@@ -74,9 +76,12 @@ class EventLog:
         *,
         request_aggregate: str,
         compute_seconds: float = 0.0,
+        epoch: int = 0,
     ) -> None:
-        """Store a result, then record the completion that points at it."""
-        seq = await self.put_result(request_id, body, media_type)
+        """Store a result, then record the completion that points at it. ``epoch``: the
+        recording trainer's hold on the run (``bus.RunPlaced``); outcomes of an older one are
+        ignored by the folds."""
+        seq = await self.put_result(request_id, body, media_type, epoch=epoch)
         done = bus.RequestCompleted(
             request_id=request_id,
             aggregate_id=aggregate_id,
@@ -84,22 +89,30 @@ class EventLog:
             media_type=media_type,
             compute_seconds=compute_seconds,
             replica=self.bus.replica,
+            epoch=epoch,
         )
         await self.append(
             events.make(request_completed=done),
-            msg_id=f"done:{request_id}",
+            msg_id=_once("done", request_id, epoch),
             request_aggregate=request_aggregate,
         )
 
     async def fail(
-        self, request_id: str, aggregate_id: str, kind: str, detail: str, *, request_aggregate: str
+        self,
+        request_id: str,
+        aggregate_id: str,
+        kind: str,
+        detail: str,
+        *,
+        request_aggregate: str,
+        epoch: int = 0,
     ) -> None:
         failed = bus.RequestFailed(
-            request_id=request_id, aggregate_id=aggregate_id, kind=kind, detail=detail
+            request_id=request_id, aggregate_id=aggregate_id, kind=kind, detail=detail, epoch=epoch
         )
         await self.append(
             events.make(request_failed=failed),
-            msg_id=f"done:{request_id}",
+            msg_id=_once("done", request_id, epoch),
             request_aggregate=request_aggregate,
         )
 
@@ -126,14 +139,23 @@ class EventLog:
         *,
         request_aggregate: str,
         worker: str,
+        epoch: int = 0,
+        confirm: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         """Run a request's work and record its outcome: the result, or a failure whose kind
         says whose fault it was (a result too large to store is the request's: it fails with
-        ``ResultTooLarge``). An unexpected exception is a server fault, logged in full."""
+        ``ResultTooLarge``). An unexpected exception is a server fault, logged in full.
+        ``confirm``, asked before recording: whether the worker may still record for the
+        aggregate (a trainer that lost its hold on the run records nothing)."""
         started = time.perf_counter()
         command = events.command_of(accepted)
         try:
             body, media_type = await work()
+            if confirm is not None and not await confirm():
+                log.warning(
+                    "request %s ran, but its run is held elsewhere now", accepted.request_id
+                )
+                return
             await self.complete(
                 accepted.request_id,
                 accepted.aggregate_id,
@@ -141,6 +163,7 @@ class EventLog:
                 media_type,
                 request_aggregate=request_aggregate,
                 compute_seconds=time.perf_counter() - started,
+                epoch=epoch,
             )
         except Cancelled as cancelled:
             # Its outcome, the cancellation, is in the log already: nothing to record.
@@ -156,22 +179,38 @@ class EventLog:
             telemetry.work_done(command, time.perf_counter() - started)
             return
         telemetry.record_error(trace.get_current_span(), failure.kind, failure.detail)
+        if confirm is not None and not await confirm():
+            return
         await self.fail(
             accepted.request_id,
             accepted.aggregate_id,
             failure.kind,
             failure.detail,
             request_aggregate=request_aggregate,
+            epoch=epoch,
         )
         telemetry.work_done(command, time.perf_counter() - started, failure.kind)
+
+
+def _once(what: str, request_id: str, epoch: int) -> str:
+    """The de-duplication id of a request's outcome or result. Within one epoch a retried append
+    is recorded once; a later epoch's must not be taken for a repeat of a fenced one."""
+    return f"{what}:{request_id}" if not epoch else f"{what}:{request_id}:{epoch}"
 
 
 class FollowedProjection:
     """A ``jobs.Projection`` kept current by following the whole log from its start."""
 
-    def __init__(self, eventlog: EventLog) -> None:
+    def __init__(
+        self,
+        eventlog: EventLog,
+        on_event: Callable[[int, bus.Event, bytes], None] | None = None,
+    ) -> None:
         self.eventlog = eventlog
         self.state = jobs.Projection()
+        # Called with each event just after it is folded in (its log position, the event, its
+        # bytes), on the event loop: how the trainer takes the requests of the runs it holds.
+        self.on_event = on_event
         self._changed = asyncio.Condition()
 
     async def start(self) -> None:
@@ -182,10 +221,17 @@ class FollowedProjection:
 
     async def _on_event(self, seq: int, data: bytes) -> None:
         try:
-            self.state.apply(seq, events.decode(data))
+            event = events.decode(data)
+            self.state.apply(seq, event)
         except Exception:
             log.exception("event %d could not be applied; skipped", seq)
             self.state.position = max(self.state.position, seq)
+        else:
+            if self.on_event is not None:
+                try:
+                    self.on_event(seq, event, data)
+                except Exception:
+                    log.exception("event %d: its observer failed", seq)
         async with self._changed:
             self._changed.notify_all()
 

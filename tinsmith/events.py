@@ -23,6 +23,8 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "weights_saved": ("run", "model_id"),
     "run_unloaded": ("run", "model_id"),
     "run_restored": ("run", "model_id"),
+    "run_snapshotted": ("run", "model_id"),
+    "run_placed": ("run", "model_id"),
     "sampler_created": ("sampler", "sampler_id"),
     "checkpoint_deleted": ("run", "model_id"),
     "checkpoint_published": ("run", "model_id"),
@@ -62,6 +64,26 @@ def aggregate_of(event: bus.Event, *, request_aggregate: str = "run") -> tuple[s
         return request_aggregate, body.aggregate_id
     aggregate, field = _AGGREGATE[kind]
     return aggregate, getattr(body, field)
+
+
+# The events a trainer records under its hold on a run (their ``epoch`` field): the folds ignore
+# one whose epoch is older than the run's latest ``RunPlaced``.
+FENCED = (
+    "request_completed",
+    "request_failed",
+    "run_created",
+    "weights_saved",
+    "run_unloaded",
+    "run_snapshotted",
+    "run_restored",
+)
+
+
+def epoch_of(event: bus.Event) -> int:
+    """The trainer's epoch an event was recorded under; 0 for events that carry none (recorded
+    by another service, or by a version before epochs)."""
+    kind = kind_of(event)
+    return int(getattr(event, kind).epoch) if kind in FENCED else 0
 
 
 def request_id(aggregate_id: str, seq_id: int) -> str:

@@ -36,6 +36,7 @@ class RequestState:
     media_type: str = ""
     error_kind: str = ""
     error_detail: str = ""
+    log_seq: int = 0  # where its RequestAccepted is in the log: read the command back from there
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,16 @@ class RunState:
     # Set while the trainer has let go of the run: where its state is, and what runs next.
     snapshot: bus.RunUnloaded | None = None
     owner: str = ""  # its session's tenant
+    # Placement among trainer replicas (RunPlaced): the latest hold's epoch, whether some replica
+    # holds the run now (placed, until it unloads it), and how many replicas took it over from a
+    # holder that died, since the run last recorded an outcome (the bound on poison requests).
+    epoch: int = 0
+    placed: bool = False
+    takeovers: int = 0
+    # The newest snapshot of the run's state (taken in the background, or when it was unloaded),
+    # and the log position a rebuild reads from: that snapshot's event, or the run's creation.
+    last_snapshot: bus.RunSnapshotted | None = None
+    replay_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,10 +203,38 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
             return replace(state, last_sampler_checkpoint="")
         return state
     if state is not None and kind == "run_unloaded":
-        return replace(state, snapshot=event.run_unloaded)
+        unloaded = event.run_unloaded
+        snapshot = bus.RunSnapshotted(
+            model_id=unloaded.model_id,
+            snapshot_key=unloaded.snapshot_key,
+            next_seq_id=unloaded.next_seq_id,
+            create=unloaded.create,
+            epoch=unloaded.epoch,
+        )
+        return replace(state, snapshot=unloaded, last_snapshot=snapshot, placed=False)
+    if state is not None and kind == "run_snapshotted":
+        return replace(state, last_snapshot=event.run_snapshotted)
     if state is not None and kind == "run_restored":
         return replace(state, snapshot=None)
+    if state is not None and kind == "run_placed":
+        placed = event.run_placed
+        return replace(
+            state,
+            epoch=max(state.epoch, placed.epoch),
+            placed=True,
+            takeovers=state.takeovers + int(placed.takeover),
+        )
+    if state is not None and kind in ("request_completed", "request_failed"):
+        return replace(state, takeovers=0) if state.takeovers else state
     return state
+
+
+def fenced(state: RunState | None, event: bus.Event) -> bool:
+    """Whether ``event`` was recorded under a hold on the run that a later placement ended: a
+    trainer cut off from the bus, or paused past its lease, whose run another replica took over.
+    Such an event changes nothing."""
+    epoch = events.epoch_of(event)
+    return state is not None and epoch != 0 and epoch < state.epoch
 
 
 def _spend(state: RunState, seq_id: int) -> RunState:
@@ -267,6 +306,8 @@ class Projection:
     # the trainers' work.
     pending_samples: int = 0
     pending_training: int = 0
+    # Per run, its requests accepted and not yet settled: the runs a trainer must hold.
+    pending_runs: dict[str, int] = field(default_factory=dict)
     position: int = 0
 
     def owner_of(self, aggregate_id: str) -> str | None:
@@ -283,8 +324,10 @@ class Projection:
             return
         self.position = seq
         kind = events.kind_of(event)
+        if kind in events.FENCED and fenced(self.runs.get(self._run_of(kind, event)), event):
+            return
         if kind.startswith("request_"):
-            self._apply_request(kind, event)
+            self._apply_request(seq, kind, event)
             return
         aggregate, agg_id = events.aggregate_of(event)
         if aggregate == "key":
@@ -314,15 +357,25 @@ class Projection:
                     self.published.add(published.tinker_path)
                 else:
                     self.published.discard(published.tinker_path)
-            _put(self.runs, agg_id, evolve_run(self.runs.get(agg_id), event))
+            run = evolve_run(self.runs.get(agg_id), event)
+            if run is not None and kind in ("run_unloaded", "run_snapshotted"):
+                run = replace(run, replay_from=seq)
+            _put(self.runs, agg_id, run)
 
-    def _apply_request(self, kind: str, event: bus.Event) -> None:
+    @staticmethod
+    def _run_of(kind: str, event: bus.Event) -> str:
+        body = getattr(event, kind)
+        return str(body.aggregate_id if kind.startswith("request_") else body.model_id)
+
+    def _apply_request(self, seq: int, kind: str, event: bus.Event) -> None:
         body = getattr(event, kind)
         agg = body.aggregate_id
         rid = body.request_id if kind != "request_rejected" else ""
         if rid:
             before = self.requests.get(rid)
             after = evolve_request(before, event)
+            if before is None and after is not None:
+                after = replace(after, log_seq=seq)
             _put(self.requests, rid, after)
             if after is not None:
                 was = before is not None and before.status is Status.PENDING
@@ -334,6 +387,11 @@ class Projection:
                     usage.queued_samples += change
                 else:
                     self.pending_training += change
+                    left = self.pending_runs.get(agg, 0) + change
+                    if left > 0:
+                        self.pending_runs[agg] = left
+                    else:
+                        self.pending_runs.pop(agg, None)
         if kind == "request_rejected":
             self.rejections.setdefault(events.request_id(agg, body.seq_id), body)
         run = evolve_run(self.runs.get(agg), event)
@@ -341,6 +399,8 @@ class Projection:
             sid = body.create_model.session_id
             session = evolve_session(self.sessions.get(sid), event)
             _put(self.sessions, sid, session)
+            if run is not None and agg not in self.runs:
+                run = replace(run, replay_from=seq)  # a rebuild without a snapshot starts here
             if run is not None and agg not in self.runs and session is not None:
                 run = replace(run, owner=session.owner)
                 self._usage(session.owner).run_ids.add(agg)

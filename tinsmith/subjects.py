@@ -21,7 +21,11 @@ RESULTS_ALL = "tinsmith.results.>"
 _RESULTS = "tinsmith.results"
 
 # Durable consumers of the event log that turn accepted requests into work.
-TRAINER_CONSUMER = "trainer"
+TRAINER_CONSUMER = "trainer"  # the durable consumer trainers used before leases: removed
+# JetStream KV buckets of the trainer fleet (tinsmith/leases.py): its live replicas, and which
+# replica holds each run.
+TRAINERS_BUCKET = "TINSMITH_TRAINERS"
+RUN_OWNERS_BUCKET = "TINSMITH_RUN_OWNERS"
 SAMPLER_CONSUMER = "sampler"
 
 # Cancelled sample requests: a RequestCancelled is an event of its sampler, on a subject one

@@ -22,6 +22,7 @@ run's request whose refusal spends its seq_id: append the rejection, then raise)
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
@@ -338,6 +339,10 @@ def create_model(call: Call, request: CreateModel) -> Decision[Future]:
         optimizer="adamw",
         user_metadata=request.user_metadata,
     )
+    if not command.lora.HasField("seed"):
+        # Drawn here, so the log holds everything the adapter's initialisation depends on: a
+        # run rebuilt from its creation after a crash gets the very same adapter.
+        command.lora.seed = int(hashlib.sha256(call.new_id.encode()).hexdigest()[:15], 16)
     return _accept_new_run(call, model_id, command)
 
 

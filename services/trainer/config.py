@@ -18,14 +18,17 @@ class TrainerConfig:
     # A run whose session has not heart-beaten (the SDK beats every 10 s) for this long is
     # snapshotted to the object store and unloaded; its next request restores it.
     idle_unload_s: float = 120.0
-    # A request held by a trainer that stops extending it (the trainer died) is delivered again
-    # after this long. The trainer extends every request it holds every third of it, however long
-    # it waits for its turn, so this only bounds how long a dead trainer's work goes unnoticed.
-    ack_wait_s: float = 60.0
-    # Payload bytes of requests waiting for their turn (far ahead of their run's next seq_id)
-    # that the trainer keeps in memory; beyond them it reads each one back from the log when its
-    # turn comes.
-    buffer_mb: float = 256.0
+    # This replica's identity in the fleet, unique among live trainers and kept across restarts
+    # of its process (tinsmith up: trainer-0; Kubernetes: the pod's name), so that a restarted
+    # trainer takes its predecessor's runs at once. Empty: "trainer@<host>:<pid>".
+    replica: str = ""
+    # How long a trainer's hold on its runs outlives its last renewal (every third of it): a
+    # trainer that died (or is paused, or cut off from the bus) loses its runs to the others
+    # this long after.
+    lease_s: float = 3.0
+    # Optimizer steps between background snapshots of a run (and one at every save_state): what
+    # a rebuild after a crash re-executes is bounded by it. 0: only at save_state and unload.
+    snapshot_every: int = 20
 
     @classmethod
     def from_env(cls) -> TrainerConfig:
@@ -34,10 +37,7 @@ class TrainerConfig:
             cache_dir=Path(os.environ.get("TINSMITH_CACHE_DIR", str(models.default_cache_dir()))),
             torch_threads=runtime.torch_threads(),
             idle_unload_s=float(os.environ.get("TINSMITH_IDLE_UNLOAD_S", cls.idle_unload_s)),
-            ack_wait_s=float(os.environ.get("TINSMITH_TRAINER_ACK_WAIT_S", cls.ack_wait_s)),
-            buffer_mb=float(os.environ.get("TINSMITH_TRAINER_BUFFER_MB", cls.buffer_mb)),
+            replica=os.environ.get("TINSMITH_REPLICA", cls.replica),
+            lease_s=float(os.environ.get("TINSMITH_TRAINER_LEASE_S", cls.lease_s)),
+            snapshot_every=int(os.environ.get("TINSMITH_SNAPSHOT_EVERY", cls.snapshot_every)),
         )
-
-    @property
-    def buffer_bytes(self) -> int:
-        return int(self.buffer_mb * 2**20)

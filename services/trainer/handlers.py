@@ -1,34 +1,43 @@
-"""The trainer's work loop: accepted requests of every run, from the log, in each run's seq_id
-order, executed on the compute thread, with results and events appended back to the log.
+"""The trainer's work loop: the runs this replica holds, their requests taken from the log in
+each run's seq_id order, executed on the compute thread, with results and events appended back.
 
 Owns:
+- holding runs among the fleet's replicas (tinsmith/leases.py): a run with requests and no live
+  holder is taken by the replica first in the placement order (placement.py), the others stepping
+  in after it if it does not; taking it appends ``RunPlaced`` with the hold's epoch, and every
+  outcome this replica records for the run carries that epoch, so that once another replica took
+  the run over, what this one still records is ignored by every fold (fencing). A run lost (taken
+  over) is dropped from memory without recording anything; a replica that lost its own lease
+  drops every run;
+- rebuilding a run it takes: from the run's latest snapshot (or its creation), the requests the
+  log holds after it are executed again in seq_id order; those whose outcome is already recorded
+  only to rebuild the state (their results are not recorded twice; a failed one changed nothing
+  and is skipped), those without one normally;
 - ordering: the SDK may send a forward_backward's chunks out of order, chunk 1 last, and a
-  request the gateway rejected leaves its seq_id to be skipped;
+  request the gateway rejected leaves its seq_id to be skipped. Requests come from the log as
+  this replica's projection folds them (``FollowedProjection.on_event``), and are read back
+  from the log by position when their turn comes: nothing waits in memory but their positions;
 - failing alone: whatever goes wrong around one request (reading it, restoring its run, executing
   it, recording its outcome) ends that request failed (an unexpected exception as an
   ``InternalError``, logged once with its traceback), spends its seq_id and lets the run's later
   requests run; a failure the log refuses to record is retried until it is recorded (or, if the
-  trainer stops first, the request goes back to the queue with the others it held);
-- acking and redelivery: a request is acked only after its outcome is durable, so a trainer that
-  dies mid-step hands it to the next one after the ack wait (``TrainerConfig.ack_wait_s``). Every
-  request the trainer holds, executing or waiting for an earlier seq_id however long, is extended
-  (``in_progress``) every third of the ack wait, so a wait is never taken for a dead trainer.
-  Redelivery is bounded (tinsmith/workqueue.py): a request that arrives on its last delivery is
-  not run; when its turn comes its failure is recorded (``workqueue.exhausted``);
-- bounded buffering: requests waiting for their turn keep their payload in memory up to a budget
-  (``TrainerConfig.buffer_mb``); beyond it the payload is released once its run and seq_id are
-  noted, and read back from the log when its turn comes;
-- storing checkpoints;
-- letting go of idle runs: a run whose session stopped heart-beating is snapshotted to the object
-  store and unloaded, and its next request restores it, also after a trainer restart;
+  trainer stops first, the request is left to the run's next holder);
+- poison: a request that takes down every replica that runs it ends failed, not looping: once a
+  run was taken over ``MAX_TAKEOVERS`` times from holders that died without recording any
+  outcome, its next request is failed instead of run;
+- snapshots: every ``TrainerConfig.snapshot_every`` optimizer steps and after every save_state, a
+  run's state is written to the object store in the background (``RunSnapshotted``), so a
+  rebuild re-executes a bounded tail of the log;
+- letting go of idle runs: a run whose session stopped heart-beating is snapshotted, unloaded and
+  released (``RunUnloaded``); its next request places it again, here or on another replica;
 - making room on the device: when the engine says that a run, a base model or a step does not
   fit what is free of its memory budget (``OutOfBudget``), the runs with nothing to do are
-  snapshotted and unloaded the same way, least recently used first, until it fits (a run that
-  comes back on its next request may unload another in turn);
-- stopping: the request running now finishes, every run in memory is snapshotted, and the
-  requests still waiting go back to the queue for the next trainer.
+  unloaded the same way, least recently used first, until it fits;
+- stopping: the replica says it is draining, the request running now finishes, and every run it
+  holds is snapshotted, unloaded and released, so the other replicas take the runs and their
+  waiting requests at once (or the next trainer, after a restart).
 
-Does not own: the torch math (engine.py).
+Does not own: the torch math (engine.py), where runs go (placement.py), or the leases.
 """
 
 from __future__ import annotations
@@ -40,58 +49,65 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from services import gpu
-from tinsmith import artifacts, events, models, subjects, telemetry
+from tinsmith import artifacts, events, jobs, models, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
-from tinsmith.failures import InternalError, NotFound, TinsmithError, Unavailable
+from tinsmith.failures import InternalError, NotFound, TinsmithError
+from tinsmith.leases import Fleet, Replica
 from tinsmith.tensors import model_input_tokens
-from tinsmith.workqueue import Delivery, WorkQueue, exhausted
 
+from . import placement
 from .config import TrainerConfig
 from .engine import OutOfBudget, TrainerEngine
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-# Messages asked of the queue at a time. Requests far ahead of their turn wait here, their
-# payloads within the buffer budget.
-_BATCH = 256
 # Waits between attempts to record a failure that the log refused (it is down, say).
 _RECORD_RETRY_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 # A failure's detail is cut to this many characters, so that recording it cannot fail for size.
 _MAX_DETAIL = 4000
+# Takeovers of a run from holders that died without recording an outcome, after which the run's
+# next request is failed rather than run (it is the likely cause).
+MAX_TAKEOVERS = 4
+# The commands whose execution changes a run's state: re-executed when a run is rebuilt.
+_STATEFUL = frozenset({"create_model", "load_weights", "forward_backward", "optim_step"})
 
 
 @dataclass
 class _Work:
-    """A request of a run, held until its seq_id's turn: its delivery, whose payload may have
-    been released (read it back from the log by ``delivery.stream_seq``), and what was noted of
-    it on arrival."""
+    """A request of a run, held until its seq_id's turn: where it is in the log."""
 
-    delivery: Delivery
     seq_id: int
     request_id: str  # "" for a seq_id the gateway rejected: nothing runs, it is only spent
-    size: int  # payload bytes it keeps in memory (0 once released)
+    log_seq: int
 
 
 @dataclass
 class _RunQueue:
     create: bus.CreateModel
+    epoch: int  # this replica's hold on the run
     next_seq: int = 0
     pending: dict[int, _Work] = field(default_factory=dict)
     busy: bool = False
-    snapshot_key: str = ""  # set while the run is unloaded
+    restore_from: str = ""  # a snapshot to restore before the next request ("" once in memory)
+    unloaded: bool = False  # the snapshot is an unloaded run's: its restore is recorded
+    broken: TinsmithError | None = None  # why the run could not be rebuilt
+    lost: bool = False  # another replica holds the run now
+    steps: int = 0  # optimizer steps since the latest snapshot
+    snapshots: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot at a time
     used: float = field(default_factory=time.monotonic)  # when its latest request began
 
 
@@ -105,7 +121,7 @@ class Trainer:
     ) -> None:
         self.bus = bus_
         self.log = EventLog(bus_)
-        self.projection = FollowedProjection(self.log)
+        self.projection = FollowedProjection(self.log, on_event=self._on_event)
         self.engine = engine
         self.blobs = blobs
         self.config = config
@@ -115,15 +131,22 @@ class Trainer:
             device=engine.device,
             gpu_clock=gpu.cuda_clock(engine.device()),
         )
-        self.queues: dict[str, _RunQueue] = {}
+        self.fleet = Fleet(
+            bus_,
+            config.replica or bus_.replica,
+            config.lease_s,
+            self._describe,
+            on_lost=self._on_lost,
+            on_fenced=self._on_fenced,
+            on_orphaned=self._on_orphaned,
+        )
+        self.queues: dict[str, _RunQueue] = {}  # the runs this replica holds
         self.last_seen: dict[str, float] = {}  # session id -> monotonic time of last sign of life
-        # Every delivery not yet acked or handed back, by stream sequence: what is kept alive.
-        self.held: dict[int, Delivery] = {}
-        self.buffered_bytes = 0  # payload bytes of the requests waiting in ``pending``
+        self._placing: set[str] = set()  # runs this replica considers taking now
         self._reaper_wake = asyncio.Event()
         self._quiet = asyncio.Event()  # set whenever a run's queue stops being busy
         self._stop = asyncio.Event()  # set when the trainer begins to stop
-        self._queue: WorkQueue | None = None  # once started
+        self._started = False
 
     async def start(self) -> None:
         telemetry.observe_models(self.engine.loaded)
@@ -138,180 +161,270 @@ class Trainer:
             unit="{request}",
             description="Requests this trainer holds, waiting for their run's turn",
         )
+        with contextlib.suppress(Exception):  # the work queue of versions before leases
+            await self.bus.js.delete_consumer(subjects.EVENTS_STREAM, subjects.TRAINER_CONSUMER)
         await self.projection.start()
+        await self.fleet.start()
         await self.bus.listen(subjects.SESSION_HEARTBEATS, self._on_heartbeat)
-        self.bus.spawn(self._keep_alive())
-        self._queue = await self.bus.consume(
-            subjects.EVENTS_STREAM,
-            subjects.TRAINER_CONSUMER,
-            subjects.events_of("run"),
-            self._on_deliveries,
-            batch=_BATCH,
-            ack_wait_s=self.config.ack_wait_s,
-        )
+        self._started = True
         self.bus.spawn(self._reap_idle_runs())
+        await self._on_orphaned(self._waiting_runs())
 
     async def stop(self) -> None:
-        """On a graceful stop: take no more work and let the requests running now finish, then
-        snapshot and unload every run still in memory, so the next trainer restores each one on
-        its next request (stopping loses no run), and hand the requests still waiting back to
-        the queue, for the next trainer."""
+        """On a graceful stop: take no more runs and let the requests running now finish, then
+        snapshot, unload and release every run held, so that another replica (or the next
+        trainer) takes each one with its waiting requests at once: stopping loses nothing."""
         self._stop.set()
-        if self._queue is not None:
-            await self._queue.stop()  # no request reaches this trainer any more
+        await self.fleet.drain()
         for model_id, queue in list(self.queues.items()):
-            while queue.busy:  # a running step (or an idle unload) finishes first
+            while queue.busy:  # a running step (or an unload) finishes first
                 self._quiet.clear()
                 await self._quiet.wait()
-            if not queue.snapshot_key:
+            if self.queues.get(model_id) is queue and not queue.lost:
                 try:
-                    await self._unload(model_id, queue)
+                    await self._unload(model_id, queue, why="stop")
                 except Exception:
                     log.exception("could not snapshot run %s while stopping", model_id)
-        for delivery in list(self.held.values()):
-            with contextlib.suppress(Exception):
-                await delivery.nak()
-        self.held.clear()
+        await self.fleet.leave()
         self.compute.shutdown()
 
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def _describe(self) -> Replica:
+        return Replica(
+            name=self.fleet.name,
+            instance=self.fleet.instance,
+            base_models=tuple(self.engine.loaded()),
+            free_bytes=max(0, self.engine.free_bytes()),
+            budget_bytes=self.engine.placement.memory_bytes,
+            draining=self.stopping,
+        )
+
     async def _on_heartbeat(self, payload: bytes) -> None:
         self.last_seen[payload.decode()] = time.monotonic()
 
-    async def _keep_alive(self) -> None:
-        """Tell JetStream that every request this trainer holds is in progress, so that none is
-        delivered again while it waits for its turn or runs, however long that takes."""
-        while True:
-            await asyncio.sleep(self.config.ack_wait_s / 3)
-            held = list(self.held.values())
-            failed = 0
-            for delivery in held:
-                try:
-                    await delivery.in_progress()
-                except Exception:
-                    failed += 1
-            if failed:
-                log.warning("could not extend the ack deadline of %d of %d", failed, len(held))
+    # -- placement -----------------------------------------------------------------------------
+
+    def _on_event(self, seq: int, event: bus.Event, data: bytes) -> None:
+        """Each event as this replica's projection folds it: a request for a run held here joins
+        its queue; one for a run nobody live holds may be taken; a later hold on a run held here
+        means it was lost."""
+        kind = events.kind_of(event)
+        if kind in ("request_accepted", "request_rejected"):
+            body = getattr(event, kind)
+            model_id = body.aggregate_id
+            if model_id not in self.projection.state.runs:
+                return  # a sampler's
+            queue = self.queues.get(model_id)
+            if queue is None:
+                if self._started:
+                    self.bus.spawn(self._consider(model_id))
+                return
+            request_id = body.request_id if kind == "request_accepted" else ""
+            self._hold(model_id, queue, _Work(body.seq_id, request_id, seq))
+        elif kind == "run_placed":
+            placed = event.run_placed
+            queue = self.queues.get(placed.model_id)
+            if queue is not None and placed.epoch > queue.epoch:
+                self.bus.spawn(self._on_lost(placed.model_id))
+
+    def _hold(self, model_id: str, queue: _RunQueue, work: _Work) -> None:
+        """Keep ``work`` until its turn (the first message in the log for a seq_id wins)."""
+        if work.seq_id < queue.next_seq or work.seq_id in queue.pending:
+            return
+        queue.pending[work.seq_id] = work
+        self.last_seen[queue.create.session_id] = time.monotonic()
+        self._kick(model_id, queue)
+
+    def _kick(self, model_id: str, queue: _RunQueue) -> None:
+        if not queue.busy and not queue.lost and not self.stopping:
+            queue.busy = True
+            self.bus.spawn(self._advance(model_id, queue))
+
+    def _waiting_runs(self) -> list[str]:
+        """The runs with requests not yet settled."""
+        return [m for m, n in self.projection.state.pending_runs.items() if n > 0]
+
+    async def _on_orphaned(self, model_ids: Iterable[str]) -> None:
+        for model_id in model_ids:
+            self.bus.spawn(self._consider(model_id))
+
+    async def _consider(self, model_id: str) -> None:
+        """Take the run if it has work, nobody live holds it, and this replica comes first in
+        the placement order (or those before it let it be)."""
+        if model_id in self.queues or model_id in self._placing or self.stopping:
+            return
+        self._placing.add(model_id)
+        try:
+            wait = self._placement_delay(model_id)
+            if wait is None:
+                return
+            if wait:
+                await asyncio.sleep(wait)
+            if self._placement_delay(model_id) is None or self.stopping:
+                return
+            await self.projection.catch_up()
+            run = self.projection.state.runs[model_id]
+            epoch = await self.fleet.take(model_id)
+            if epoch is None:
+                return
+            try:
+                await self._adopt(model_id, epoch, takeover=run.placed)
+            except Exception:
+                log.exception("could not take run %s; letting it go", model_id)
+                self.queues.pop(model_id, None)
+                await self.fleet.release(model_id)
+        except Exception:
+            log.exception("could not place run %s", model_id)
+        finally:
+            self._placing.discard(model_id)
+
+    def _placement_delay(self, model_id: str) -> float | None:
+        """How long to wait before taking the run; None: not this replica's to take (no work,
+        or held by a live replica)."""
+        run = self.projection.state.runs.get(model_id)
+        if run is None or not self.projection.state.pending_runs.get(model_id):
+            return None
+        if self.fleet.holder(model_id) is not None:
+            return None
+        names = placement.order(self.fleet.replicas.values(), run.base_model, 0, 0)
+        if self.fleet.name not in names:
+            return None
+        return placement.delay(names, self.fleet.name)
+
+    async def _adopt(self, model_id: str, epoch: int, *, takeover: bool) -> None:
+        """Record the hold, then queue what the log holds for the run from its latest snapshot
+        (or its creation) on."""
+        placed = bus.RunPlaced(
+            model_id=model_id, replica=self.fleet.name, epoch=epoch, takeover=takeover
+        )
+        position, _ = await self.log.append(events.make(run_placed=placed))
+        await self.projection.wait_for(position)
+        state = self.projection.state
+        run = state.runs[model_id]
+        snapshot = run.snapshot or run.last_snapshot
+        if snapshot is not None:
+            create, next_seq = snapshot.create, int(snapshot.next_seq_id)
+        else:
+            create, next_seq = await self._creation(model_id), 0
+        # From here on no await: what the projection holds now is queued, and each later
+        # request joins through ``_on_event``.
+        run = state.runs[model_id]
+        queue = _RunQueue(
+            create=create,
+            epoch=epoch,
+            next_seq=next_seq,
+            restore_from=snapshot.snapshot_key if snapshot is not None else "",
+            unloaded=run.snapshot is not None,
+        )
+        for seq_id in itertools.chain(range(next_seq, run.next_seq_id), sorted(run.spent_ahead)):
+            request_id = events.request_id(model_id, seq_id)
+            if request_id in state.rejections:
+                queue.pending[seq_id] = _Work(seq_id, "", 0)
+            elif request_id in state.requests:
+                queue.pending[seq_id] = _Work(
+                    seq_id, request_id, state.requests[request_id].log_seq
+                )
+        self.queues[model_id] = queue
+        self.last_seen[create.session_id] = time.monotonic()
+        log.info(
+            "holds run %s (epoch %d%s) from seq_id %d, %d requests to go",
+            model_id,
+            epoch,
+            ", taken over" if takeover else "",
+            next_seq,
+            len(queue.pending),
+        )
+        self._kick(model_id, queue)
+        self._reaper_wake.set()
+
+    async def _creation(self, model_id: str) -> bus.CreateModel:
+        """The command that created the run (its seq_id 0), read back from the log."""
+        created = self.projection.state.requests[events.request_id(model_id, 0)]
+        data, _, _ = await self.bus.get_message(subjects.EVENTS_STREAM, created.log_seq)
+        return events.decode(data).request_accepted.create_model
+
+    async def _on_lost(self, model_id: str) -> None:
+        """Another replica holds the run now: drop it without recording anything."""
+        queue = self.queues.pop(model_id, None)
+        self.fleet.forget(model_id)
+        if queue is None or queue.lost:
+            return
+        queue.lost = True
+        queue.pending.clear()
+        while queue.busy:
+            self._quiet.clear()
+            await self._quiet.wait()
+        await self.compute.run(self.engine.unload, model_id)
+        log.warning("dropped run %s: another trainer holds it now", model_id)
+
+    async def _on_fenced(self) -> None:
+        for model_id in list(self.queues):
+            await self._on_lost(model_id)
 
     # -- ordering ------------------------------------------------------------------------------
-
-    async def _on_deliveries(self, deliveries: list[Delivery]) -> None:
-        for delivery in deliveries:
-            try:
-                await self._take(delivery)
-            except Exception:
-                # Not held: it comes back after the ack wait (a bounded number of times).
-                log.exception("could not take message %d of the log", delivery.stream_seq)
-
-    async def _take(self, delivery: Delivery) -> None:
-        """Note a run's request (its run and seq_id) and hold it until its turn."""
-        if self.stopping:
-            await delivery.nak()
-            return
-        try:
-            event = events.decode(delivery.data)
-            kind = events.kind_of(event)
-        except Exception:
-            log.exception("message %d of the log is not an event; skipped", delivery.stream_seq)
-            await delivery.ack()
-            return
-        if kind not in ("request_accepted", "request_rejected"):
-            await delivery.ack()
-            return
-        body = getattr(event, kind)
-        queue = self.queues.get(body.aggregate_id) or self._adopt(body)
-        if queue is None:
-            await self._orphan(delivery, event)
-            return
-        self.last_seen[queue.create.session_id] = time.monotonic()
-        if body.seq_id < queue.next_seq:
-            await delivery.ack()  # a redelivery of work already done
-            return
-        request_id = body.request_id if kind == "request_accepted" else ""
-        await self._hold(queue, _Work(delivery, body.seq_id, request_id, len(delivery.data)))
-        if not queue.busy:
-            queue.busy = True
-            self.bus.spawn(self._advance(body.aggregate_id, queue))
-
-    async def _hold(self, queue: _RunQueue, work: _Work) -> None:
-        """Keep ``work`` until its turn, its payload in memory while the budget allows."""
-        earlier = queue.pending.pop(work.seq_id, None)
-        if earlier is not None:
-            self.buffered_bytes -= earlier.size
-            if earlier.delivery.stream_seq != work.delivery.stream_seq:
-                # Two messages for one seq_id: the first in the log wins, the other is spent.
-                first, second = sorted((earlier, work), key=lambda w: w.delivery.stream_seq)
-                await self._spend(second.delivery)
-                work = first
-        if self.buffered_bytes + work.size > self.config.buffer_bytes:
-            work.delivery.release()
-            work.size = 0
-        self.buffered_bytes += work.size
-        queue.pending[work.seq_id] = work
-        self.held[work.delivery.stream_seq] = work.delivery
-
-    def _adopt(self, body: bus.RequestAccepted | bus.RequestRejected) -> _RunQueue | None:
-        """A queue for a run this trainer does not hold yet: a new run, or one whose last word
-        in the log is a snapshot (unloaded while idle, possibly by an earlier trainer)."""
-        if isinstance(body, bus.RequestAccepted) and body.HasField("create_model"):
-            queue = _RunQueue(create=body.create_model)
-        else:
-            run = self.projection.state.runs.get(body.aggregate_id)
-            if run is None or run.snapshot is None:
-                return None
-            queue = _RunQueue(
-                create=run.snapshot.create,
-                next_seq=run.snapshot.next_seq_id,
-                snapshot_key=run.snapshot.snapshot_key,
-            )
-        self.queues[body.aggregate_id] = queue
-        return queue
 
     async def _advance(self, model_id: str, queue: _RunQueue) -> None:
         """Take the run's requests while the next seq_id is here; later ones wait for it. Each
         one that comes to its turn ends with an outcome and spends its seq_id, whatever
         happens to it."""
         try:
-            while queue.next_seq in queue.pending and not self.stopping:
+            if queue.restore_from and not queue.lost:
+                await self._restore(model_id, queue)
+            while queue.next_seq in queue.pending and not self.stopping and not queue.lost:
                 work = queue.pending.pop(queue.next_seq)
-                self.buffered_bytes -= work.size
                 try:
-                    await self._turn(queue, work)
+                    await self._turn(model_id, queue, work)
                 except Exception as exc:
-                    if not await self._record_failure(model_id, work, exc):
-                        break  # stopping: it goes back to the queue, for the next trainer
+                    if queue.lost:
+                        break
+                    if not await self._record_failure(model_id, queue, work, exc):
+                        break  # stopping: the run's next holder takes it
                 queue.next_seq = work.seq_id + 1
-                await self._spend(work.delivery)
-                late = queue.pending.pop(work.seq_id, None)  # delivered again while it ran
-                if late is not None:
-                    self.buffered_bytes -= late.size
-                    await self._spend(late.delivery)
         finally:
             queue.busy = False
             self._quiet.set()
             self._reaper_wake.set()
 
-    async def _turn(self, queue: _RunQueue, work: _Work) -> None:
-        """The request's turn: run it, unless it is a rejected seq_id (nothing to do) or on its
-        last delivery (earlier ones ended without an outcome: it is failed, not run again)."""
+    async def _turn(self, model_id: str, queue: _RunQueue, work: _Work) -> None:
+        """The request's turn: re-execute it to rebuild the state if its outcome is recorded,
+        fail it if the run cannot be rebuilt or it is the likely poison, else run it."""
         if not work.request_id:
             return
-        delivery = work.delivery
-        if delivery.last:
-            raise exhausted(delivery, work.request_id)  # recorded as its failure, not run
-        if delivery.released:
-            data = await self.bus.get(subjects.EVENTS_STREAM, delivery.stream_seq)
-        else:
-            data = delivery.data
-        await self._execute(events.decode(data).request_accepted, delivery, queue)
+        state = self.projection.state.requests.get(work.request_id)
+        recorded = state is not None and state.status is not jobs.Status.PENDING
+        if (
+            state is not None
+            and recorded
+            and (state.status is not jobs.Status.COMPLETED or state.command not in _STATEFUL)
+        ):
+            return  # a failure changed nothing, nor did a forward or a save
+        data, trace, stored_ns = await self.bus.get_message(subjects.EVENTS_STREAM, work.log_seq)
+        accepted = events.decode(data).request_accepted
+        if recorded:
+            await self._replay(accepted, queue)
+            return
+        if queue.broken is not None:
+            raise queue.broken
+        run = self.projection.state.runs.get(model_id)
+        if run is not None and run.takeovers >= MAX_TAKEOVERS:
+            raise InternalError(
+                f"training run {model_id} was taken over {run.takeovers} times from trainers "
+                f"that died before recording an outcome; request {work.request_id} is failed so "
+                "that it cannot take down more of them. If it did not cause that, send it again"
+            )
+        await self._execute(accepted, trace, stored_ns, queue)
 
-    async def _record_failure(self, model_id: str, work: _Work, exc: Exception) -> bool:
-        """Record that a request failed outside its work's own settling (it was on its last
-        delivery, it could not be read, or its outcome could not be recorded). Retried while the
-        log refuses it; False if the trainer began to stop first."""
+    async def _record_failure(
+        self, model_id: str, queue: _RunQueue, work: _Work, exc: Exception
+    ) -> bool:
+        """Record that a request failed outside its work's own settling (it could not be read,
+        the run could not be rebuilt, or its outcome could not be recorded). Retried while the
+        log refuses it; False if the trainer began to stop (or lost the run) first."""
+        if not work.request_id:
+            return True
         if isinstance(exc, TinsmithError):
             failure = exc
             log.warning("request %s failed in the trainer: %s", work.request_id, exc.detail)
@@ -321,8 +434,15 @@ class Trainer:
         detail = failure.detail[:_MAX_DETAIL]
         for attempt in itertools.count():
             try:
+                if not await self.fleet.confirm(model_id):
+                    return False
                 await self.log.fail(
-                    work.request_id, model_id, failure.kind, detail, request_aggregate="run"
+                    work.request_id,
+                    model_id,
+                    failure.kind,
+                    detail,
+                    request_aggregate="run",
+                    epoch=queue.epoch,
                 )
                 return True
             except Exception as refused:
@@ -335,64 +455,78 @@ class Trainer:
                 )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), wait)
-                if self.stopping:
+                if self.stopping or queue.lost:
                     return False
         raise AssertionError("unreachable")
 
-    async def _spend(self, delivery: Delivery) -> None:
-        """Let go of a delivery whose outcome is recorded."""
-        self.held.pop(delivery.stream_seq, None)
-        try:
-            await delivery.ack()
-        except Exception as exc:
-            # Its outcome is durable: a redelivery of it is acked as work already done.
-            log.warning("could not ack message %d: %r", delivery.stream_seq, exc)
-
-    async def _orphan(self, delivery: Delivery, event: bus.Event) -> None:
-        """Work for a run this trainer cannot restore (its state was only in a lost process)."""
-        if events.kind_of(event) == "request_accepted":
-            accepted = event.request_accepted
-            error = Unavailable(
-                f"training run {accepted.aggregate_id} is not loaded on this trainer (it "
-                "restarted); create the run again or load it from a checkpoint"
-            )
-            await self.log.fail(
-                accepted.request_id,
-                accepted.aggregate_id,
-                error.kind,
-                error.detail,
-                request_aggregate="run",
-            )
-        await delivery.ack()
-
     async def _execute(
-        self, accepted: bus.RequestAccepted, delivery: Delivery, queue: _RunQueue
+        self, accepted: bus.RequestAccepted, trace: Context, stored_ns: int, queue: _RunQueue
     ) -> None:
-        """Run one request, now that its turn has come (restoring its run first if it was
-        unloaded), in the trace that accepted it, and record its outcome."""
+        """Run one request, now that its turn has come, in the trace that accepted it, and
+        record its outcome (unless another replica took the run meanwhile)."""
         command = events.command_of(accepted)
         handler = getattr(self, f"_{command}", None)
         if handler is None:
             raise InternalError(f"the trainer does not know the command {command!r}")
-        telemetry.queue_wait(command, delivery.published_ns, delivery.trace)
+        telemetry.queue_wait(command, stored_ns, trace)
         queue.used = time.monotonic()
+        model_id = accepted.aggregate_id
 
         async def work() -> tuple[bytes, str]:
-            if queue.snapshot_key:
-                await self._restore(accepted.aggregate_id, queue)
-            result: tuple[bytes, str] = await handler(accepted)
+            result: tuple[bytes, str] = await handler(accepted, queue)
             return result
+
+        async def holding() -> bool:
+            return not queue.lost and await self.fleet.confirm(model_id)
 
         with (
             telemetry.tracer.start_as_current_span(
                 f"trainer {command}",
-                context=delivery.trace,
+                context=trace,
                 kind=SpanKind.CONSUMER,
-                attributes=self._attributes(accepted.aggregate_id, queue),
+                attributes=self._attributes(model_id, queue),
             ),
             telemetry.request_scope(accepted.request_id),
         ):
-            await self.log.settle(accepted, work, request_aggregate="run", worker="trainer")
+            await self.log.settle(
+                accepted,
+                work,
+                request_aggregate="run",
+                worker="trainer",
+                epoch=queue.epoch,
+                confirm=holding,
+            )
+        if command == "optim_step":
+            queue.steps += 1
+        saved_state = (
+            command == "save_weights" and accepted.save_weights.kind == bus.CHECKPOINT_KIND_TRAINING
+        )
+        snapshot_now = saved_state or queue.steps >= self.config.snapshot_every > 0
+        if snapshot_now and not queue.lost:
+            queue.next_seq = accepted.seq_id + 1
+            await self._snapshot(model_id, queue)
+
+    async def _replay(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> None:
+        """Re-execute a request whose outcome is recorded, to rebuild the run's state: the same
+        engine work, nothing recorded."""
+        command = events.command_of(accepted)
+        model_id = accepted.aggregate_id
+        with telemetry.tracer.start_as_current_span(
+            f"trainer replay {command}", attributes=self._attributes(model_id, queue)
+        ):
+            if command == "create_model":
+                await self._make_run(model_id, accepted.create_model)
+            elif command == "load_weights":
+                await self._load_into(model_id, accepted.load_weights)
+            elif command == "forward_backward" and not accepted.forward_backward.forward_only:
+                await self._fitting(
+                    model_id,
+                    lambda: self.compute.run(
+                        self.engine.forward_backward, model_id, accepted.forward_backward
+                    ),
+                )
+            elif command == "optim_step":
+                await self.compute.run(self.engine.optim_step, model_id, accepted.optim_step.adam)
 
     def _attributes(self, model_id: str, queue: _RunQueue | None = None) -> dict[str, str | int]:
         """What a span of this run's work carries: the run, its base model and its adapter."""
@@ -404,10 +538,54 @@ class Trainer:
             "tinsmith.lora_rank": queue.create.lora.rank,
         }
 
-    # -- idle runs -----------------------------------------------------------------------------
+    # -- snapshots and idle runs ---------------------------------------------------------------
+
+    async def _snapshot(self, model_id: str, queue: _RunQueue) -> None:
+        """Write the run's state as it is now (after seq_id ``queue.next_seq - 1``) to a local
+        directory, then upload it and record ``RunSnapshotted`` in the background, while the
+        run's next requests run."""
+        queue.steps = 0
+        next_seq = queue.next_seq
+        tmp = tempfile.TemporaryDirectory(prefix="tinsmith-snapshot-")
+        try:
+            await self.compute.traced(
+                "snapshot",
+                self._attributes(model_id, queue),
+                self.engine.export,
+                model_id,
+                Path(tmp.name),
+                with_optimizer=True,
+                with_gradients=True,
+            )
+        except Exception:
+            tmp.cleanup()
+            log.exception("could not snapshot run %s", model_id)
+            return
+
+        async def upload() -> None:
+            try:
+                async with queue.snapshots:
+                    key = artifacts.snapshot_key(model_id, next_seq)
+                    await self.blobs.put_dir(key, Path(tmp.name))
+                    if queue.lost or not await self.fleet.confirm(model_id):
+                        return
+                    snapshotted = bus.RunSnapshotted(
+                        model_id=model_id,
+                        snapshot_key=key,
+                        next_seq_id=next_seq,
+                        create=queue.create,
+                        epoch=queue.epoch,
+                    )
+                    await self.log.append(events.make(run_snapshotted=snapshotted))
+            except Exception:
+                log.exception("could not record a snapshot of run %s", model_id)
+            finally:
+                tmp.cleanup()
+
+        self.bus.spawn(upload())
 
     async def _reap_idle_runs(self) -> None:
-        """Sleep until the earliest moment a loaded run could be idle, then let go of those that
+        """Sleep until the earliest moment a held run could be idle, then let go of those that
         are. Heartbeats only push deadlines later, so waking early is harmless."""
         while True:
             now = time.monotonic()
@@ -415,11 +593,12 @@ class Trainer:
             deadlines = {
                 model_id: self.last_seen.get(queue.create.session_id, now) + idle
                 for model_id, queue in self.queues.items()
-                if not queue.snapshot_key
             }
             for model_id, deadline in deadlines.items():
-                queue = self.queues[model_id]
-                if deadline <= now and not queue.busy and not queue.pending and not self.stopping:
+                queue = self.queues.get(model_id)
+                if queue is None or deadline > now or self.stopping:
+                    continue
+                if not queue.busy and not queue.pending and not queue.lost:
                     try:
                         await self._unload(model_id, queue)
                     except Exception:
@@ -433,49 +612,62 @@ class Trainer:
                 await asyncio.wait_for(self._reaper_wake.wait(), timeout)
 
     async def _unload(self, model_id: str, queue: _RunQueue, why: str = "idle") -> None:
-        queue.busy = True  # requests that arrive meanwhile wait, then restore
+        """Snapshot the run, record ``RunUnloaded``, drop it from memory and release it; its
+        next request places it again. A run the log cannot record stays held and loaded."""
+        queue.busy = True  # requests that arrive meanwhile wait, then go to its next holder
         try:
             with telemetry.tracer.start_as_current_span(
                 f"trainer unload_{why}_run", attributes=self._attributes(model_id, queue)
             ):
-                key = artifacts.snapshot_key(model_id, queue.next_seq)
-                await self._export(model_id, key, with_optimizer=True, with_gradients=True)
-                unloaded = bus.RunUnloaded(
-                    model_id=model_id,
-                    snapshot_key=key,
-                    next_seq_id=queue.next_seq,
-                    create=queue.create,
-                )
-                # Recorded before it leaves memory: a run the log cannot record stays loaded.
-                await self.log.append(events.make(run_unloaded=unloaded))
+                async with queue.snapshots:
+                    key = artifacts.snapshot_key(model_id, queue.next_seq)
+                    if queue.restore_from:  # never restored: its snapshot is its state
+                        key = queue.restore_from
+                    else:
+                        await self._export(model_id, key, with_optimizer=True, with_gradients=True)
+                    if not await self.fleet.confirm(model_id):
+                        raise InternalError(f"run {model_id} is held by another trainer now")
+                    unloaded = bus.RunUnloaded(
+                        model_id=model_id,
+                        snapshot_key=key,
+                        next_seq_id=queue.next_seq,
+                        create=queue.create,
+                        epoch=queue.epoch,
+                    )
+                    await self.log.append(events.make(run_unloaded=unloaded))
                 await self.compute.run(self.engine.unload, model_id)
-            queue.snapshot_key = key
+                self.queues.pop(model_id, None)
+                await self.fleet.release(model_id)
             log.info("unloaded run %s (%s) to %s", model_id, why, key)
         finally:
             queue.busy = False
             self._quiet.set()
-        if queue.pending and not self.stopping:
-            queue.busy = True
-            self.bus.spawn(self._advance(model_id, queue))
+        if queue.pending and not self.stopping and self.queues.get(model_id) is None:
+            self.bus.spawn(self._consider(model_id))
 
     async def _restore(self, model_id: str, queue: _RunQueue) -> None:
+        """Load the run from the snapshot its queue starts at; a run that cannot be restored
+        fails each of its requests that comes to its turn, with the reason."""
+        key = queue.restore_from
         create = bus.CreateModel()
         create.CopyFrom(queue.create)
-        create.load_key, create.load_optimizer = queue.snapshot_key, True
+        create.load_key, create.load_optimizer = key, True
         try:
-            await self._with_checkpoint(create.load_key, self.engine.create_run, model_id, create)
+            await self._with_checkpoint(key, self.engine.create_run, model_id, create)
         except NotFound as exc:
-            raise NotFound(
-                f"training run {model_id} was unloaded while idle, and its snapshot cannot be "
-                f"read back ({exc.detail}); load it from a checkpoint into a new run"
-            ) from exc
-        await self.log.append(
-            events.make(
-                run_restored=bus.RunRestored(model_id=model_id, snapshot_key=create.load_key)
+            queue.broken = NotFound(
+                f"training run {model_id} was unloaded, and its snapshot cannot be read back "
+                f"({exc.detail}); load it from a checkpoint into a new run"
             )
-        )
-        log.info("restored run %s from %s", model_id, queue.snapshot_key)
-        queue.snapshot_key = ""
+            return
+        except TinsmithError as exc:
+            queue.broken = exc
+            return
+        queue.restore_from = ""
+        if queue.unloaded:
+            restored = bus.RunRestored(model_id=model_id, snapshot_key=key, epoch=queue.epoch)
+            await self.log.append(events.make(run_restored=restored))
+        log.info("restored run %s from %s", model_id, key)
         self.last_seen[create.session_id] = time.monotonic()
 
     async def _fitting(self, model_id: str, attempt: Callable[[], Awaitable[_T]]) -> _T:
@@ -490,7 +682,7 @@ class Trainer:
                     raise
 
     async def _make_room(self, short: int, keep: str) -> bool:
-        """Snapshot and unload loaded runs that are neither running nor waiting to run (other
+        """Snapshot and unload held runs that are neither running nor waiting to run (other
         than ``keep``), least recently used first, until about ``short`` bytes are free. False
         if there was none to unload."""
         if self.stopping:
@@ -502,10 +694,10 @@ class Trainer:
         )
         freed, unloaded = 0, 0
         for _, model_id in candidates:
-            queue = self.queues[model_id]
+            queue = self.queues.get(model_id)
             run = self.engine.runs.get(model_id)
             # Checked right before: it may have been given work, or unloaded, meanwhile.
-            if queue.busy or queue.pending or queue.snapshot_key or run is None:
+            if queue is None or queue.busy or queue.pending or queue.lost or run is None:
                 continue
             size = run.state_bytes
             try:
@@ -522,22 +714,12 @@ class Trainer:
 
     # -- commands ------------------------------------------------------------------------------
 
-    async def _create_model(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
+    async def _create_model(
+        self, accepted: bus.RequestAccepted, queue: _RunQueue
+    ) -> tuple[bytes, str]:
         command = accepted.create_model
         model_id = accepted.aggregate_id
-        if command.load_key:
-            await self._with_checkpoint(command.load_key, self.engine.create_run, model_id, command)
-        else:
-            await self._fitting(
-                model_id,
-                lambda: self.compute.traced(
-                    "create_run",
-                    self._attributes(model_id),
-                    self.engine.create_run,
-                    model_id,
-                    command,
-                ),
-            )
+        await self._make_run(model_id, command)
         created = bus.RunCreated(
             model_id=model_id,
             session_id=command.session_id,
@@ -546,6 +728,7 @@ class Trainer:
             user_metadata=command.user_metadata,
             # The model's name, never the directory it was loaded from: get_info shows it.
             tokenizer_id=models.tokenizer_id(command.base_model),
+            epoch=queue.epoch,
         )
         await self.log.append(events.make(run_created=created))
         self._reaper_wake.set()
@@ -553,20 +736,42 @@ class Trainer:
             return _json({"type": "load_weights", "path": command.load_path, "model_id": model_id})
         return _json({"type": "create_model", "model_id": model_id})
 
-    async def _load_weights(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
+    async def _make_run(self, model_id: str, command: bus.CreateModel) -> None:
+        if command.load_key:
+            await self._with_checkpoint(command.load_key, self.engine.create_run, model_id, command)
+            return
+        await self._fitting(
+            model_id,
+            lambda: self.compute.traced(
+                "create_run",
+                self._attributes(model_id),
+                self.engine.create_run,
+                model_id,
+                command,
+            ),
+        )
+
+    async def _load_weights(
+        self, accepted: bus.RequestAccepted, queue: _RunQueue
+    ) -> tuple[bytes, str]:
         command = accepted.load_weights
+        await self._load_into(accepted.aggregate_id, command)
+        return _json(
+            {"type": "load_weights", "path": command.path, "model_id": accepted.aggregate_id}
+        )
+
+    async def _load_into(self, model_id: str, command: bus.LoadWeights) -> None:
         await self._with_checkpoint(
             command.blob_key,
             lambda model_id, directory: self.engine.load(
                 model_id, directory, with_optimizer=command.optimizer
             ),
-            accepted.aggregate_id,
-        )
-        return _json(
-            {"type": "load_weights", "path": command.path, "model_id": accepted.aggregate_id}
+            model_id,
         )
 
-    async def _forward_backward(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
+    async def _forward_backward(
+        self, accepted: bus.RequestAccepted, queue: _RunQueue
+    ) -> tuple[bytes, str]:
         request = accepted.forward_backward
         tokens = sum(len(model_input_tokens(datum.model_input)) for datum in request.data)
         op = "forward" if request.forward_only else "forward_backward"
@@ -584,7 +789,9 @@ class Trainer:
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         return output, PROTOBUF
 
-    async def _optim_step(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
+    async def _optim_step(
+        self, accepted: bus.RequestAccepted, queue: _RunQueue
+    ) -> tuple[bytes, str]:
         metrics = await self.compute.traced(
             "optim_step",
             self._attributes(accepted.aggregate_id),
@@ -594,7 +801,9 @@ class Trainer:
         )
         return _json({"type": "optim_step", "metrics": metrics})
 
-    async def _save_weights(self, accepted: bus.RequestAccepted) -> tuple[bytes, str]:
+    async def _save_weights(
+        self, accepted: bus.RequestAccepted, queue: _RunQueue
+    ) -> tuple[bytes, str]:
         command = accepted.save_weights
         model_id = accepted.aggregate_id
         training = command.kind == bus.CHECKPOINT_KIND_TRAINING
@@ -604,7 +813,6 @@ class Trainer:
         else:
             key, tinker_path = artifacts.ephemeral_sampler_key(model_id, command.sampler_id), ""
         metadata, size = await self._export(model_id, key, with_optimizer=training)
-        queue = self.queues[model_id]
         if tinker_path:
             saved = bus.WeightsSaved(
                 model_id=model_id,
@@ -616,6 +824,7 @@ class Trainer:
                 size_bytes=size,
                 user_metadata=command.user_metadata,
                 lora=queue.create.lora,
+                epoch=queue.epoch,
             )
             if command.HasField("ttl_seconds"):
                 saved.ttl_seconds = command.ttl_seconds

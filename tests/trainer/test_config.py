@@ -6,14 +6,20 @@ import pytest
 
 from services.trainer.config import TrainerConfig
 
+_FLEET = ("TINSMITH_REPLICA", "TINSMITH_TRAINER_LEASE_S", "TINSMITH_SNAPSHOT_EVERY")
 
-def test_the_queue_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TINSMITH_TRAINER_ACK_WAIT_S", raising=False)
-    monkeypatch.delenv("TINSMITH_TRAINER_BUFFER_MB", raising=False)
+
+def test_the_fleet_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in _FLEET:
+        monkeypatch.delenv(name, raising=False)
     defaults = TrainerConfig.from_env()
-    monkeypatch.setenv("TINSMITH_TRAINER_ACK_WAIT_S", "12.5")
-    monkeypatch.setenv("TINSMITH_TRAINER_BUFFER_MB", "0.5")
+    for name, value in zip(_FLEET, ("trainer-7", "1.5", "5"), strict=True):
+        monkeypatch.setenv(name, value)
     configured = TrainerConfig.from_env()
 
-    assert (defaults.ack_wait_s, defaults.buffer_bytes) == (60.0, 256 * 2**20)
-    assert (configured.ack_wait_s, configured.buffer_bytes) == (12.5, 2**19)
+    assert (defaults.replica, defaults.lease_s, defaults.snapshot_every) == ("", 3.0, 20)
+    assert (configured.replica, configured.lease_s, configured.snapshot_every) == (
+        "trainer-7",
+        1.5,
+        5,
+    )

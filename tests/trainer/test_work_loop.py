@@ -1,7 +1,7 @@
 """The trainer's work loop on a real nats-server with tinsmith/tiny: a request that fails fails
-alone and its run's next requests run; a request on its last delivery is failed, not run;
-requests that wait for an earlier seq_id are kept alive, and beyond the buffer budget wait
-outside memory; a stop is quick, snapshots its runs and hands the waiting requests back."""
+alone and its run's next requests run; a run taken over too many times from trainers that died
+fails its next request instead of running it; requests that wait for an earlier seq_id wait as
+log positions and run in order; a stop is quick, snapshots its runs and hands them over."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -19,14 +20,13 @@ import torch
 
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import TrainerEngine
-from services.trainer.handlers import Trainer, _RunQueue
+from services.trainer.handlers import MAX_TAKEOVERS, Trainer, _RunQueue
 from tinsmith import events, jobs, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog, FollowedProjection
-from tinsmith.workqueue import MAX_DELIVER, Delivery
 
 ADAM = bus.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
 
@@ -44,13 +44,18 @@ class Harness:
 
     @contextlib.asynccontextmanager
     async def trainer(
-        self, idle_unload_s: float = 3600.0, engine: TrainerEngine | None = None, **config: float
+        self,
+        idle_unload_s: float = 3600.0,
+        engine: TrainerEngine | None = None,
+        replica: str = "",
+        **config: float,
     ) -> AsyncIterator[Trainer]:
         settings = TrainerConfig(
             blob_url=self.blob_url,
             cache_dir=models.default_cache_dir(),
             idle_unload_s=idle_unload_s,
-            **config,
+            replica=replica or f"test-trainer-{uuid.uuid4().hex[:8]}",
+            **config,  # type: ignore[arg-type]
         )
         connection = await Bus.connect(self.nats_url, name="test-trainer")
         trainer = Trainer(
@@ -186,17 +191,16 @@ async def test_a_request_with_a_non_finite_loss_fails_alone(harness: Harness) ->
 async def test_a_request_that_cannot_be_read_back_fails_and_the_run_goes_on(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """With no buffer, requests that wait are read back from the log when their turn comes;
-    one whose message was deleted from the log meanwhile fails, outside its work's settling,
-    and the run's next request runs."""
+    """Requests that wait are read back from the log when their turn comes; one whose message
+    was deleted from the log meanwhile fails, outside its work's settling, and the run's next
+    request runs."""
     caplog.set_level(logging.INFO, logger="services.trainer.handlers")
-    async with harness.trainer(buffer_mb=0) as trainer:
-        await harness.create("unreadable")
+    async with harness.trainer() as trainer:
+        await harness.settled(await harness.create("unreadable"))
         lost = await harness.accept("unreadable", 2, forward_backward=_batch(2))
         after = await harness.accept("unreadable", 3, optim_step=bus.OptimStep(adam=ADAM))
         queue = await _queue(harness, trainer, "unreadable", waiting=2)
-        assert all(work.delivery.released for work in queue.pending.values())
-        stream_seq = queue.pending[2].delivery.stream_seq
+        stream_seq = queue.pending[2].log_seq
         assert await harness.eventlog.bus.js.delete_msg(subjects.EVENTS_STREAM, stream_seq)
 
         first = await harness.accept("unreadable", 1, forward_backward=_batch(1))
@@ -239,90 +243,50 @@ async def test_a_run_whose_snapshot_is_gone_fails_each_request_instead_of_hangin
         assert "its snapshot cannot be read back" in outcome.error_detail
 
 
-async def test_a_request_on_its_last_delivery_is_failed_not_run(
-    harness: Harness, nats_url: str
+async def test_a_run_taken_over_too_often_fails_its_next_request_instead_of_running_it(
+    harness: Harness,
 ) -> None:
-    """Request 1 took down four trainers (here: four that handed it back); the fifth records its
+    """Request 1 took down the trainers that held its run, MAX_TAKEOVERS times (here: holds
+    recorded as taken over, without an outcome between them); the next holder records its
     failure instead of running it, and runs request 2."""
     async with harness.trainer():
         await harness.settled(await harness.create("poisoned"))
+    epoch = harness.projection.state.runs["poisoned"].epoch
     poison = await harness.accept("poisoned", 1, forward_backward=_batch(0))
-    handed_back = asyncio.Event()
-
-    async def crashing(deliveries: list[Delivery]) -> None:
-        for delivery in deliveries:
-            if delivery.num_delivered < MAX_DELIVER - 1:
-                await delivery.nak()
-            else:
-                await delivery.nak(delay=1.0)  # to the next trainer, once this one is gone
-                handed_back.set()
-
-    earlier = await Bus.connect(nats_url, name="test-crashing-trainers")
-    await earlier.consume(
-        subjects.EVENTS_STREAM,
-        subjects.TRAINER_CONSUMER,
-        subjects.events_of("run"),
-        crashing,
-        batch=16,
-        ack_wait_s=60,
-    )
-    await asyncio.wait_for(handed_back.wait(), 20)
-    await earlier.close()
+    for n in range(MAX_TAKEOVERS):
+        placed = bus.RunPlaced(model_id="poisoned", replica="gone", epoch=epoch, takeover=True)
+        await harness.eventlog.append(events.make(run_placed=placed))
+    await harness.projection.catch_up()
+    assert harness.projection.state.runs["poisoned"].takeovers == MAX_TAKEOVERS
 
     async with harness.trainer():
         after = await harness.accept("poisoned", 2, forward_backward=_batch(1))
         failed, done = await harness.settled(poison, after)
 
     assert _status(failed) == ("failed", "internal")
-    assert f"taken {MAX_DELIVER} times" in failed.error_detail
+    # The fifth: the holder that found it at MAX_TAKEOVERS took it over once more.
+    assert f"taken over {MAX_TAKEOVERS + 1} times" in failed.error_detail
     assert done.status is jobs.Status.COMPLETED
+    assert harness.projection.state.runs["poisoned"].takeovers == 0
 
 
-async def test_requests_waiting_for_their_turn_are_not_delivered_again(harness: Harness) -> None:
-    """Requests 2 and 3 wait three ack waits for request 1: kept alive all along, they are
-    neither redelivered nor run early."""
-    async with harness.trainer(ack_wait_s=1.0):
-        await harness.settled(await harness.create("patient"))
-        later = [
-            await harness.accept("patient", 2, forward_backward=_batch(2)),
-            await harness.accept("patient", 3, optim_step=bus.OptimStep(adam=ADAM)),
-        ]
-        await asyncio.sleep(3.0)
-        info = await harness.eventlog.bus.js.consumer_info(
-            subjects.EVENTS_STREAM, subjects.TRAINER_CONSUMER
-        )
-        assert info.config.ack_wait == 1.0
-        assert (info.num_ack_pending, info.num_redelivered) == (2, 0)
-
-        first = await harness.accept("patient", 1, forward_backward=_batch(1))
-        outcomes = await harness.settled(first, *later)
-
-    assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
-    assert await harness.completion_order("patient") == [0, 1, 2, 3]
-
-
-async def test_requests_far_ahead_wait_outside_memory_and_run_in_order(harness: Harness) -> None:
-    """With a buffer of 0.25 MiB, forward_backwards of about 0.1 MiB that wait for request 1
-    keep two payloads in memory; the others are read back from the log when their turn comes.
-    They run exactly as the same requests sent in order."""
-    budget_mb = 0.25
+async def test_requests_far_ahead_wait_as_log_positions_and_run_in_order(
+    harness: Harness,
+) -> None:
+    """Forward_backwards that wait for request 1 are held as their place in the log, not their
+    payloads, and are read back at their turn. They run exactly as the same requests sent in
+    order."""
     batches = [_batch(seed, datums=24, length=384) for seed in range(8)]
-    assert 0.08 < len(batches[0].SerializeToString()) / 2**20 < 0.125
-    async with harness.trainer(buffer_mb=budget_mb) as trainer:
+    async with harness.trainer() as trainer:
         for model_id in ("ahead", "in-order"):
-            await harness.create(model_id)
+            await harness.settled(await harness.create(model_id))
         ahead = [
             await harness.accept("ahead", seq_id, forward_backward=batch)
             for seq_id, batch in enumerate(batches[1:], start=2)
         ]
         ahead.append(await harness.accept("ahead", 9, optim_step=bus.OptimStep(adam=ADAM)))
         queue = await _queue(harness, trainer, "ahead", waiting=8)
-
-        held = [work.delivery for work in queue.pending.values()]
-        in_memory = sum(len(delivery.data) for delivery in held if not delivery.released)
-        assert in_memory == trainer.buffered_bytes <= budget_mb * 2**20
-        # Two forward_backwards and the small optim_step fit; the other five were released.
-        assert sum(delivery.released for delivery in held) == 5
+        assert all(work.log_seq > 0 for work in queue.pending.values())
 
         first = await harness.accept("ahead", 1, forward_backward=batches[0])
         in_order = [
@@ -333,7 +297,6 @@ async def test_requests_far_ahead_wait_outside_memory_and_run_in_order(harness: 
         outcomes = await harness.settled(first, *ahead, *in_order)
 
         assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
-        assert trainer.buffered_bytes == 0
         assert await harness.completion_order("ahead") == list(range(10))
         results = [await harness.eventlog.get_result(o.result_seq) for o in outcomes]
         assert results[:8] == results[9:17]  # each forward_backward's output, bit for bit
@@ -364,9 +327,9 @@ async def test_a_stop_is_quick_snapshots_its_runs_and_hands_the_waiting_requests
     assert stopped_in < 3.0
     snapshot = harness.projection.state.runs["kept"].snapshot
     assert snapshot is not None and snapshot.next_seq_id == 2
+    assert not harness.projection.state.runs["kept"].placed  # released: the next trainer takes it
     async with harness.trainer():
         gap = await harness.accept("kept", 2, forward_backward=_batch(2))
-        # Well within the ack wait (60 s): request 3 was handed back, not left to expire.
         outcomes = await harness.settled(gap, waiting, timeout=30)
     assert all(outcome.status is jobs.Status.COMPLETED for outcome in outcomes)
     assert await harness.completion_order("kept") == [0, 1, 2, 3]

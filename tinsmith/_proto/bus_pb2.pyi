@@ -232,35 +232,39 @@ class RequestCancelled(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestCompleted(_message.Message):
-    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds", "replica")
+    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds", "replica", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_SEQ_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     aggregate_id: str
     result_seq: int
     media_type: str
     compute_seconds: float
     replica: str
-    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., replica: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., replica: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RequestFailed(_message.Message):
-    __slots__ = ("request_id", "aggregate_id", "kind", "detail")
+    __slots__ = ("request_id", "aggregate_id", "kind", "detail", "epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     aggregate_id: str
     kind: str
     detail: str
-    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RunCreated(_message.Message):
-    __slots__ = ("model_id", "session_id", "base_model", "lora", "user_metadata", "tokenizer_id")
+    __slots__ = ("model_id", "session_id", "base_model", "lora", "user_metadata", "tokenizer_id", "epoch")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -274,16 +278,18 @@ class RunCreated(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     session_id: str
     base_model: str
     lora: LoraConfig
     user_metadata: _containers.ScalarMap[str, str]
     tokenizer_id: str
-    def __init__(self, model_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., tokenizer_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., tokenizer_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class WeightsSaved(_message.Message):
-    __slots__ = ("model_id", "tinker_path", "blob_key", "kind", "base_model", "lora_rank", "size_bytes", "ttl_seconds", "user_metadata", "lora")
+    __slots__ = ("model_id", "tinker_path", "blob_key", "kind", "base_model", "lora_rank", "size_bytes", "ttl_seconds", "user_metadata", "lora", "epoch")
     class UserMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +307,7 @@ class WeightsSaved(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     USER_METADATA_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tinker_path: str
     blob_key: str
@@ -311,27 +318,58 @@ class WeightsSaved(_message.Message):
     ttl_seconds: int
     user_metadata: _containers.ScalarMap[str, str]
     lora: LoraConfig
-    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., blob_key: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., blob_key: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., base_model: _Optional[str] = ..., lora_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ttl_seconds: _Optional[int] = ..., user_metadata: _Optional[_Mapping[str, str]] = ..., lora: _Optional[_Union[LoraConfig, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RunUnloaded(_message.Message):
-    __slots__ = ("model_id", "snapshot_key", "next_seq_id", "create")
+    __slots__ = ("model_id", "snapshot_key", "next_seq_id", "create", "epoch")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_KEY_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     snapshot_key: str
     next_seq_id: int
     create: CreateModel
-    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ..., next_seq_id: _Optional[int] = ..., create: _Optional[_Union[CreateModel, _Mapping]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ..., next_seq_id: _Optional[int] = ..., create: _Optional[_Union[CreateModel, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
-class RunRestored(_message.Message):
-    __slots__ = ("model_id", "snapshot_key")
+class RunSnapshotted(_message.Message):
+    __slots__ = ("model_id", "snapshot_key", "next_seq_id", "create", "epoch")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     snapshot_key: str
-    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ...) -> None: ...
+    next_seq_id: int
+    create: CreateModel
+    epoch: int
+    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ..., next_seq_id: _Optional[int] = ..., create: _Optional[_Union[CreateModel, _Mapping]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RunRestored(_message.Message):
+    __slots__ = ("model_id", "snapshot_key", "epoch")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_KEY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    snapshot_key: str
+    epoch: int
+    def __init__(self, model_id: _Optional[str] = ..., snapshot_key: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RunPlaced(_message.Message):
+    __slots__ = ("model_id", "replica", "epoch", "takeover")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVER_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    replica: str
+    epoch: int
+    takeover: bool
+    def __init__(self, model_id: _Optional[str] = ..., replica: _Optional[str] = ..., epoch: _Optional[int] = ..., takeover: _Optional[bool] = ...) -> None: ...
 
 class SamplerCreated(_message.Message):
     __slots__ = ("sampler_id", "session_id", "base_model", "model_path", "adapter_key")
@@ -348,7 +386,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked", "run_snapshotted", "run_placed")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +405,8 @@ class Event(_message.Message):
     REQUEST_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     KEY_ISSUED_FIELD_NUMBER: _ClassVar[int]
     KEY_REVOKED_FIELD_NUMBER: _ClassVar[int]
+    RUN_SNAPSHOTTED_FIELD_NUMBER: _ClassVar[int]
+    RUN_PLACED_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -385,7 +425,9 @@ class Event(_message.Message):
     request_cancelled: RequestCancelled
     key_issued: KeyIssued
     key_revoked: KeyRevoked
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ...) -> None: ...
+    run_snapshotted: RunSnapshotted
+    run_placed: RunPlaced
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ..., run_snapshotted: _Optional[_Union[RunSnapshotted, _Mapping]] = ..., run_placed: _Optional[_Union[RunPlaced, _Mapping]] = ...) -> None: ...
 
 class CatalogQuery(_message.Message):
     __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin")
