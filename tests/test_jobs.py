@@ -152,3 +152,70 @@ def test_a_runs_next_seq_id_moves_past_accepted_and_rejected_ones_in_a_row() -> 
     run = state.runs[RUN]
     assert (run.next_seq_id, run.spent_ahead) == (4, frozenset({5}))
     assert state.rejections[f"{RUN}:3"].detail == "d"
+
+
+def _placed(epoch: int, takeover: bool = False) -> bus.Event:
+    return events.make(
+        run_placed=bus.RunPlaced(model_id=RUN, replica=f"r{epoch}", epoch=epoch, takeover=takeover)
+    )
+
+
+def _done(seq: int, epoch: int) -> bus.Event:
+    return events.make(
+        request_completed=bus.RequestCompleted(
+            request_id=events.request_id(RUN, seq), aggregate_id=RUN, result_seq=epoch, epoch=epoch
+        )
+    )
+
+
+def test_what_a_cut_off_holder_records_after_a_takeover_changes_nothing() -> None:
+    """Holder 7 recorded request 0; holder 12 took the run over while 7 ran request 1; what 7
+    records after that (an outcome, a snapshot) is ignored; 12's counts, as does an outcome
+    recorded without an epoch (another service's)."""
+    projection = _replay(
+        [
+            *LOG[:2],
+            _placed(7),
+            _done(0, 7),
+            _accepted(1, optim_step=bus.OptimStep()),
+            _placed(12, takeover=True),
+            _done(1, 7),
+            events.make(
+                run_snapshotted=bus.RunSnapshotted(
+                    model_id=RUN, snapshot_key="stale", next_seq_id=2, epoch=7
+                )
+            ),
+            _done(1, 12),
+        ]
+    )
+    run = projection.runs[RUN]
+    assert (run.epoch, run.placed, run.last_snapshot) == (12, True, None)
+    assert run.takeovers == 0  # an outcome after the takeover resets the count
+    assert projection.requests[events.request_id(RUN, 0)].result_seq == 7
+    assert projection.requests[events.request_id(RUN, 1)].result_seq == 12
+    assert projection.pending_runs == {}
+    assert jobs.fenced(run, _done(1, 7)) and not jobs.fenced(run, _done(1, 0))
+
+
+def test_a_run_knows_where_its_rebuild_starts_and_what_it_waits_for() -> None:
+    created = _replay(LOG[:2])
+    assert created.runs[RUN].replay_from == 2  # its creation
+    assert created.pending_runs == {RUN: 1}
+    snapshotted = _replay(
+        [
+            *LOG[:2],
+            _placed(3),
+            _accepted(1, optim_step=bus.OptimStep()),
+            events.make(
+                run_snapshotted=bus.RunSnapshotted(
+                    model_id=RUN, snapshot_key="k", next_seq_id=2, epoch=3
+                )
+            ),
+            _placed(9, takeover=True),
+        ]
+    )
+    run = snapshotted.runs[RUN]
+    assert run.replay_from == 5 and run.last_snapshot is not None
+    assert run.last_snapshot.snapshot_key == "k" and run.takeovers == 1
+    assert snapshotted.pending_runs == {RUN: 2}
+    assert snapshotted.requests[events.request_id(RUN, 1)].log_seq == 4

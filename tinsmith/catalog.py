@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # Bump when the tables change: a catalog of another schema is dropped and rebuilt from the log.
 SCHEMA = 1
+# Snapshots of a run kept in the store: the newest, and the one before it.
+SNAPSHOTS_KEPT = 2
 _LOG = "events"
 
 
@@ -237,8 +239,9 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
             run.ready, run.tokenizer_id = True, body.tokenizer_id
     elif kind == "weights_saved":
         return await _saved(session, seq, event)
-    elif kind == "run_unloaded":
+    elif kind in ("run_unloaded", "run_snapshotted"):
         await _reference(session, body.snapshot_key, body.model_id, "snapshot", 0, seq)
+        return await _superseded_snapshots(session, body.model_id)
     elif kind == "sampler_created":
         await _sampler(session, seq, event)
     elif kind == "checkpoint_deleted":
@@ -361,6 +364,23 @@ async def _reference(
         session.add(BlobRow(key=key, model_id=model_id, role=role, size_bytes=size_bytes, seq=seq))
     else:
         row.size_bytes, row.seq = size_bytes, seq
+
+
+async def _superseded_snapshots(session: AsyncSession, model_id: str) -> list[str]:
+    """Forget the run's snapshots older than its newest ``SNAPSHOTS_KEPT``, and return their keys
+    for removal from the store: a rebuild reads only the newest. The one before it stays, should
+    the newest have been recorded by a holder that was cut off meanwhile."""
+    rows = (
+        await session.execute(
+            select(BlobRow)
+            .where(BlobRow.model_id == model_id, BlobRow.role == "snapshot")
+            .order_by(BlobRow.seq.desc())
+        )
+    ).scalars()
+    superseded = list(rows)[SNAPSHOTS_KEPT:]
+    for row in superseded:
+        await session.delete(row)
+    return [row.key for row in superseded]
 
 
 # -- queries -----------------------------------------------------------------------------------

@@ -299,6 +299,29 @@ async def test_an_overwrite_releases_the_blob_it_replaced(
         await service.stop()
 
 
+async def test_a_run_keeps_its_two_newest_snapshots_and_the_older_ones_are_removed(
+    nats_url: str, eventlog: EventLog, blobs: BlobStore, tmp_path: Path
+) -> None:
+    """Background snapshots (RunSnapshotted) and an unload's (RunUnloaded) are live artifacts,
+    never garbage; each new one releases those older than the newest two."""
+    service = await start_service(nats_url, f"sqlite+aiosqlite:///{tmp_path / 'c.db'}", blobs)
+    try:
+        keys = [f"runs/{RUN}/snapshots/{n:08d}" for n in (5, 9, 13)]
+        for n, key in zip((5, 9, 13), keys, strict=True):
+            await write_blob(blobs, key, tmp_path)
+            snapshot = {"model_id": RUN, "snapshot_key": key, "next_seq_id": n, "epoch": 3}
+            if n < 13:
+                await append(eventlog, run_snapshotted=bus.RunSnapshotted(**snapshot))
+            else:
+                await append(eventlog, run_unloaded=bus.RunUnloaded(**snapshot))
+        await service.projection.catch_up()
+        assert [await blobs.exists(key) for key in keys] == [False, True, True]
+        snapshots = [row for row in (await service.dump())["blobs"] if row["role"] == "snapshot"]
+        assert sorted(row["key"] for row in snapshots) == keys[1:]
+    finally:
+        await service.stop()
+
+
 async def test_garbage_collection_removes_unrecorded_blobs_and_logs_them(
     nats_url: str,
     eventlog: EventLog,
