@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import nats
@@ -24,7 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, set_span_in_context
 
 from tinsmith import subjects, telemetry
 from tinsmith.failures import Unavailable
@@ -128,11 +129,24 @@ class Bus:
         return msg.data or b""
 
     async def get_message(self, stream: str, seq: int) -> tuple[bytes, Context, int]:
-        """A stored message by sequence: its payload, the trace context its headers carry, and
-        when the stream stored it (unix ns; 0 if unknown)."""
+        """A stored message by sequence: its payload, the trace context its headers carry with
+        this reader's receive span in it (its work's spans start under it), and when the stream
+        stored it (unix ns; 0 if unknown)."""
         msg = await self.js.get_msg(stream, seq)
         stored = int(msg.time.timestamp() * 1e9) if msg.time is not None else 0
-        return msg.data or b"", telemetry.extract(msg.headers), stored
+        subject, now = msg.subject or "", time.time_ns()
+        span = telemetry.tracer.start_span(
+            f"receive {subjects.template(subject)}",
+            context=telemetry.extract(msg.headers),
+            kind=SpanKind.CONSUMER,
+            attributes={
+                **_messaging(subject, "receive"),
+                "messaging.message.id": str(seq),
+            },
+            start_time=now,
+        )
+        span.end(end_time=now)
+        return msg.data or b"", set_span_in_context(span), stored
 
     async def last_seq(self, stream: str) -> int:
         info = await self.js.stream_info(stream)
