@@ -1,0 +1,106 @@
+"""The trainer fleet's leases on a real nats-server: one holder per run, a dead holder's runs
+orphaned when its lease expires, and at once when a replica restarts under the same name."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+import pytest
+
+from tinsmith.bus import Bus
+from tinsmith.leases import Fleet, Replica
+
+
+class Member:
+    """A fleet member on a connection of its own, noting what it is told."""
+
+    def __init__(self, bus: Bus, name: str, ttl_s: float) -> None:
+        self.lost: list[str] = []
+        self.orphaned: list[str] = []
+        self.fenced = 0
+        self.fleet = Fleet(
+            bus,
+            name,
+            ttl_s,
+            lambda: Replica(name=name, instance=""),
+            on_lost=self._lost,
+            on_fenced=self._fenced,
+            on_orphaned=self._orphaned,
+        )
+
+    async def _lost(self, model_id: str) -> None:
+        self.lost.append(model_id)
+
+    async def _fenced(self) -> None:
+        self.fenced += 1
+
+    async def _orphaned(self, model_ids: Iterable[str]) -> None:
+        self.orphaned.extend(model_ids)
+
+
+@pytest.fixture
+async def connect(nats_url: str) -> AsyncIterator[object]:
+    connections: list[Bus] = []
+
+    async def member(name: str, ttl_s: float = 1.0) -> Member:
+        bus = await Bus.connect(nats_url, name="test-leases")
+        connections.append(bus)
+        joined = Member(bus, name, ttl_s)
+        await joined.fleet.start()
+        return joined
+
+    yield member
+    for bus in connections:
+        if not bus.nc.is_closed:
+            await bus.close()
+
+
+async def _until(predicate: object, timeout: float = 10.0) -> None:
+    assert callable(predicate)
+    for _ in range(int(timeout / 0.05)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+async def test_a_run_has_one_holder_until_it_is_released(connect: object) -> None:
+    assert callable(connect)
+    run = f"S{uuid.uuid4().hex[:8]}:train:0"
+    a, b = await connect(f"a-{run}"), await connect(f"b-{run}")
+    epoch = await a.fleet.take(run)
+    assert epoch is not None
+    assert await b.fleet.take(run) is None  # a is alive
+    assert await a.fleet.confirm(run)
+    await a.fleet.release(run)
+    await _until(lambda: b.orphaned == [run])
+    later = await b.fleet.take(run)
+    assert later is not None and later > epoch
+    assert not await a.fleet.confirm(run) and await b.fleet.confirm(run)
+
+
+async def test_a_dead_holder_s_runs_are_orphaned_after_its_lease_or_at_once_on_restart(
+    connect: object,
+) -> None:
+    assert callable(connect)
+    run, other = (f"S{uuid.uuid4().hex[:8]}:train:{n}" for n in range(2))
+    name = f"restarts-{uuid.uuid4().hex[:6]}"
+    dead = await connect(name)
+    watcher = await connect(f"watcher-{name}")
+    assert await dead.fleet.take(run) is not None
+    for task in list(dead.fleet.bus._tasks):  # what a SIGKILL leaves: no renewal, no goodbye
+        task.cancel()
+    await dead.fleet.bus.nc.close()
+
+    restarted = await connect(name, ttl_s=60.0)  # the same identity: its predecessor is dead
+    assert run in restarted.orphaned
+    assert await restarted.fleet.take(run) is not None
+    # Another replica's expiry: the watcher hears of it once the lease ends.
+    short = await connect(f"short-{name}", ttl_s=1.0)
+    assert await short.fleet.take(other) is not None
+    for task in list(short.fleet.bus._tasks):
+        task.cancel()
+    await short.fleet.bus.nc.close()
+    await _until(lambda: other in watcher.orphaned, timeout=10)
