@@ -4,8 +4,8 @@ Owns: how tinsmith talks to NATS and JetStream (stream settings, message ids for
 de-duplication), and carrying trace context in message headers: a publish or a request is a span
 whose context travels with the message, and the receiving side starts its spans under it. Does
 not own: subject names (tinsmith/subjects.py), the durable consumers that services work through
-(tinsmith/workqueue.py) or what the bytes mean (tinsmith/eventlog.py and the services). Handlers
-receive payloads and never touch headers.
+(tinsmith/workqueue.py), reading a stream in order (tinsmith/follower.py) or what the bytes mean
+(tinsmith/eventlog.py and the services). Handlers receive payloads and never touch headers.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, set_span_in_context
 
-from tinsmith import subjects, telemetry
+from tinsmith import follower, subjects, telemetry
 from tinsmith.failures import Unavailable
 from tinsmith.limits import MAX_BODY_BYTES, MAX_PAYLOAD
 from tinsmith.workqueue import Delivery, WorkQueue
@@ -159,28 +159,25 @@ class Bus:
         handler: Callable[[int, bytes], Awaitable[None]],
         *,
         start_seq: int = 1,
-    ) -> None:
+        window: int = follower.WINDOW,
+        window_bytes: int = follower.WINDOW_BYTES,
+    ) -> follower.Follower:
         """Deliver every message of ``subject`` from the start of ``stream`` (or from stream
-        sequence ``start_seq``), in order, then keep delivering new ones (an ordered, ephemeral
-        consumer: each process reads the log for itself)."""
-
-        async def on_msg(msg: Msg) -> None:
-            await handler(int(msg.metadata.sequence.stream), msg.data)
-
-        if start_seq > 1:
-            policy: dict[str, object] = {
-                "deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE,
-                "config": api.ConsumerConfig(opt_start_seq=start_seq),
-            }
-        else:
-            policy = {"deliver_policy": api.DeliverPolicy.ALL}
-        await self.js.subscribe(
+        sequence ``start_seq``), in order, then keep delivering new ones (each process reads the
+        log for itself). Pull-based: at most ``window`` messages and ``window_bytes`` bytes are
+        held for the handler at once, however long the log and however slow the handler
+        (tinsmith/follower.py); ``Follower.stop`` ends it."""
+        reader = follower.Follower(
+            self,
+            stream,
             subject,
-            stream=stream,
-            cb=on_msg,
-            ordered_consumer=True,
-            **policy,  # type: ignore[arg-type]
+            handler,
+            start_seq=start_seq,
+            window=window,
+            window_bytes=window_bytes,
         )
+        await reader.start()
+        return reader
 
     async def consume(
         self,
