@@ -24,8 +24,10 @@ class SamplerConfig:
     batch: int = 64
     # LoRA adapters kept loaded per base model, least recently used evicted first.
     adapter_cache_mb: int = 1024
-    # A request a replica holds and stops extending (the replica died) goes to another after this.
-    ack_wait_s: float = 30.0
+    # A request a replica holds and stops extending (the replica died) goes to another after this:
+    # it bounds how long a sampler's death delays its requests. A live replica extends each one
+    # it holds every third of it (1.3 s), from its event loop (compute runs off the loop).
+    ack_wait_s: float = 4.0
     # Rows (sequences decoding at once) one request holds in the torch engine's batch at most;
     # the rest of its samples wait for them, so a long request leaves room for short ones.
     rows_per_request: int = DEFAULT_ROWS_PER_REQUEST
