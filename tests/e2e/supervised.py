@@ -82,12 +82,17 @@ class Kill:
 
 def kill_child(up: UpProcess, name: str, timeout_s: float = 120.0) -> Kill:
     """SIGKILL the child ``name`` of ``up`` and wait until the launcher has started another."""
-    launcher = up.process.pid
-    old = child_pid(launcher, name)
-    killed_at = time.monotonic()
-    os.kill(old, signal.SIGKILL)
-    new = child_pid(launcher, name, other_than=old, timeout_s=timeout_s)
+    old, killed_at = send_kill(up, name)
+    new = child_pid(up.process.pid, name, other_than=old, timeout_s=timeout_s)
     return Kill(name, old, new, killed_at, time.monotonic())
+
+
+def send_kill(up: UpProcess, name: str) -> tuple[int, float]:
+    """SIGKILL the child ``name`` of ``up``, and return at once: its pid and when (monotonic)."""
+    pid = child_pid(up.process.pid, name)
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    return pid, killed_at
 
 
 def restart_lines(up: UpProcess) -> list[re.Match[str]]:
