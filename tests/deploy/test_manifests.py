@@ -155,17 +155,20 @@ def test_the_configuration_keys_are_exactly_the_variables_the_code_reads(overlay
     ours = {k for k in keys if k.startswith("TINSMITH_")}
     assert all(k.startswith(STANDARD_PREFIXES) for k in keys - ours), keys - ours
     from_secrets: set[str] = set()
+    from_pods: set[str] = set()  # per pod, from the downward API (the trainer's TINSMITH_REPLICA)
     for container in _service_containers(objects).values():
         refs = {e["configMapRef"]["name"] for e in container["envFrom"] if "configMapRef" in e}
         assert refs == {config_map(objects)["metadata"]["name"]}
         for variable in container.get("env", []):
-            assert "secretKeyRef" in variable["valueFrom"], variable  # values: the ConfigMap
-            from_secrets.add(variable["name"])
+            source = variable["valueFrom"]  # values: the ConfigMap
+            assert source.keys() in ({"secretKeyRef"}, {"fieldRef"}), variable
+            (from_secrets if "secretKeyRef" in source else from_pods).add(variable["name"])
     code = variables_read() - PER_MACHINE.keys()
     assert not ours & from_secrets, "a variable from both the ConfigMap and a Secret"
+    assert not ours & from_pods, "a per-pod variable in the ConfigMap too"
     assert not AHEAD_OF_CODE.keys() & variables_read(), "the code reads it now: drop it above"
-    missing = code - ours - from_secrets
-    unknown = (ours | from_secrets) - code - AHEAD_OF_CODE.keys()
+    missing = code - ours - from_secrets - from_pods
+    unknown = (ours | from_secrets | from_pods) - code - AHEAD_OF_CODE.keys()
     assert not missing, f"read by the code, missing from base/tinsmith.env: {sorted(missing)}"
     assert not unknown, f"configured, but no code reads them: {sorted(unknown)}"
 
@@ -246,11 +249,31 @@ def test_service_images_come_from_the_base(overlay: str) -> None:
         assert container["image"].rpartition(":")[2] == origin.rpartition(":")[2]
 
 
-def test_the_trainer_is_one_replica_that_is_replaced_not_rolled() -> None:
-    for overlay in OVERLAYS:
-        trainer = one(_objects(overlay), "Deployment", "trainer")
-        assert trainer["spec"]["replicas"] == 1
-        assert trainer["spec"]["strategy"] == {"type": "Recreate"}
+# Trainer replicas per overlay: one on a CPU cluster, two in prod (a GPU each).
+TRAINERS = {"dev": 1, "staging": 1, "prod": 2}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_trainers_scale_one_at_a_time_each_under_its_pods_name(overlay: str) -> None:
+    """The trainer fleet: replicas replaced (and drained) one at a time with no spare started,
+    each named by its pod (a restarted container takes its runs back at once), and given the time
+    to snapshot and hand over its runs, more than the service's own bound on a stop."""
+    objects = _objects(overlay)
+    trainer = one(objects, "Deployment", "trainer")
+    assert trainer["spec"]["replicas"] == TRAINERS[overlay]
+    assert trainer["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    env = {e["name"]: e["valueFrom"] for e in containers(trainer)[0]["env"]}
+    assert env["TINSMITH_REPLICA"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert "TINSMITH_REPLICA" not in config_map(objects)["data"]
+    grace = pod_spec(trainer)["terminationGracePeriodSeconds"]
+    assert grace >= 120 and grace > runtime.SHUTDOWN_TIMEOUT_S
+    budget = one(objects, "PodDisruptionBudget", "trainer")
+    assert budget["spec"]["maxUnavailable"] == 1
+    labels = trainer["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_dev_and_staging_run_on_cpu_with_every_dependency_in_the_cluster() -> None:
@@ -300,7 +323,11 @@ def test_prod_runs_the_vllm_sampler_on_gpus_scaled_by_load() -> None:
     assert not [o for o in objects if o["kind"] == "Secret"]
     names = {o["metadata"]["name"] for o in objects}
     assert not {"postgres", "object-store"} & names
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in services["trainer"]["env"]}
+    env = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+        for e in services["trainer"]["env"]
+        if "secretKeyRef" in e["valueFrom"]
+    }
     assert env == {"TINSMITH_BLOB_URL": "tinsmith-object-store"}
 
 
