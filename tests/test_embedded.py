@@ -66,7 +66,9 @@ def test_a_signal_stops_every_process(tmp_path: Path, signum: signal.Signals) ->
 
 def test_killing_the_launcher_still_stops_its_children(tmp_path: Path) -> None:
     system = start_system(tmp_path)
+    kill_child(system.up, "sampler")  # a child started again is one like the others
     children = _children(system.process.pid)
+    assert len(children) == 5, system.logs()
     os.kill(system.process.pid, signal.SIGKILL)
     system.process.wait(10)
     for pid in children:  # they get SIGTERM from the kernel (PR_SET_PDEATHSIG) and exit
