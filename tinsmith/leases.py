@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass, replace

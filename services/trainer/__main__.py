@@ -1,13 +1,13 @@
 """`python -m services.trainer`: the training service (wiring only).
 
-Runs the requests of the training runs it holds, in seq_id order, on one frozen base model per name
-with a LoRA adapter per run, and writes weights to the object store (TINSMITH_BLOB_URL). Any number
-of replicas may run: each run is held by one of them at a time (a JetStream KV lease of
+Runs the requests of the training runs it holds, in seq_id order, on one frozen base model per
+name with a LoRA adapter per run, and writes weights to the object store (TINSMITH_BLOB_URL). Any
+number of replicas may run: each run is held by one of them at a time (a JetStream KV lease of
 TINSMITH_TRAINER_LEASE_S seconds, under the name TINSMITH_REPLICA), and a dead replica's runs are
-rebuilt on another from their latest snapshot plus the log. It computes where TINSMITH_DEVICE says (auto: a GPU if there is one), with base
-weights in TINSMITH_DTYPE, within TINSMITH_DEVICE_MEMORY_MB, and states that placement in its
-readiness answer and its log. Base models named in TINSMITH_BASE_MODELS load before it reports
-ready.
+rebuilt on another from their latest snapshot plus the log. It computes where TINSMITH_DEVICE says
+(auto: a GPU if there is one), with base weights in TINSMITH_DTYPE, within
+TINSMITH_DEVICE_MEMORY_MB, and states that placement in its readiness answer and its log. Base
+models named in TINSMITH_BASE_MODELS load before it reports ready.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ async def test_a_run_taken_over_too_often_fails_its_next_request_instead_of_runn
         await harness.settled(await harness.create("poisoned"))
     epoch = harness.projection.state.runs["poisoned"].epoch
     poison = await harness.accept("poisoned", 1, forward_backward=_batch(0))
-    for n in range(MAX_TAKEOVERS):
+    for _ in range(MAX_TAKEOVERS):
         placed = bus.RunPlaced(model_id="poisoned", replica="gone", epoch=epoch, takeover=True)
         await harness.eventlog.append(events.make(run_placed=placed))
     await harness.projection.catch_up()
