@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import nats.errors
+import nats.js.errors
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
@@ -82,6 +84,15 @@ _MAX_DETAIL = 4000
 # Takeovers of a run from holders that died without recording an outcome, after which the run's
 # next request is failed rather than run (it is the likely cause).
 MAX_TAKEOVERS = 4
+# What the bus raises while it is unreachable for a moment (a nats-server restarting).
+_TRANSIENT = (
+    nats.errors.TimeoutError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.NoRespondersError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+)
 # The commands whose execution changes a run's state: re-executed when a run is rebuilt.
 _STATEFUL = frozenset({"create_model", "load_weights", "forward_backward", "optim_step"})
 
@@ -401,7 +412,9 @@ class Trainer:
             and (state.status is not jobs.Status.COMPLETED or state.command not in _STATEFUL)
         ):
             return  # a failure changed nothing, nor did a forward or a save
-        data, trace, stored_ns = await self.bus.get_message(subjects.EVENTS_STREAM, work.log_seq)
+        data, trace, stored_ns = await self._patiently(
+            lambda: self.bus.get_message(subjects.EVENTS_STREAM, work.log_seq)
+        )
         accepted = events.decode(data).request_accepted
         if recorded:
             await self._replay(accepted, queue)
@@ -477,7 +490,7 @@ class Trainer:
             return result
 
         async def holding() -> bool:
-            return not queue.lost and await self.fleet.confirm(model_id)
+            return not queue.lost and await self._patiently(lambda: self.fleet.confirm(model_id))
 
         with (
             telemetry.tracer.start_as_current_span(
@@ -527,6 +540,20 @@ class Trainer:
                 )
             elif command == "optim_step":
                 await self.compute.run(self.engine.optim_step, model_id, accepted.optim_step.adam)
+
+    async def _patiently(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
+        """``attempt()``, again after a pause while the bus is unreachable (a restarting
+        nats-server), so that a request does not fail for a moment without its log."""
+        for n in itertools.count():
+            try:
+                return await attempt()
+            except _TRANSIENT as exc:
+                if self.stopping or self.bus.closing:
+                    raise
+                wait = _RECORD_RETRY_S[min(n, len(_RECORD_RETRY_S) - 1)]
+                log.warning("the bus did not answer (%r); again in %.1f s", exc, wait)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
 
     def _attributes(self, model_id: str, queue: _RunQueue | None = None) -> dict[str, str | int]:
         """What a span of this run's work carries: the run, its base model and its adapter."""
