@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -43,6 +43,7 @@ from tinsmith import artifacts, events
 from tinsmith._proto import bus_pb2 as bus
 
 log = logging.getLogger(__name__)
+_Row = TypeVar("_Row", bound="Base")
 
 # Bump when the tables change: a catalog of another schema is dropped and rebuilt from the log.
 SCHEMA = 1
@@ -207,14 +208,102 @@ async def position(session: AsyncSession, *, for_update: bool = False) -> Positi
 # -- folding -----------------------------------------------------------------------------------
 
 
+# Rows a folding session has read, added or deleted, by table and primary key (None: no such
+# row): ``apply`` reads each row once per transaction, and ``prefetch`` reads a whole batch's in a
+# few queries. Before, every event read its rows one SELECT at a time, each after a flush of what
+# the events before it added: 23 s to fold 43,000 events into SQLite.
+_ROWS = "tinsmith.rows"
+_PREFETCH_CHUNK = 500  # keys per IN (...) query: well under SQLite's bound on parameters
+
+
+def _rows(session: AsyncSession) -> dict[tuple[type[Base], str], Base | None]:
+    rows: dict[tuple[type[Base], str], Base | None] = session.info.setdefault(_ROWS, {})
+    return rows
+
+
+async def _get(session: AsyncSession, table: type[_Row], key: str) -> _Row | None:
+    rows = _rows(session)
+    if (table, key) in rows:
+        return rows[(table, key)]  # type: ignore[return-value]
+    row = await session.get(table, key)
+    rows[(table, key)] = row
+    return row
+
+
+def _add(session: AsyncSession, row: Base) -> None:
+    session.add(row)
+    _rows(session)[(type(row), _key_of(row))] = row
+
+
+async def _delete(session: AsyncSession, row: Base) -> None:
+    await session.delete(row)
+    _rows(session)[(type(row), _key_of(row))] = None
+
+
+def _key_of(row: Base) -> str:
+    return str(row.__mapper__.primary_key_from_instance(row)[0])
+
+
+def _keys(event: bus.Event) -> list[tuple[type[Base], str]]:
+    """The rows folding ``event`` reads (``apply``)."""
+    kind = events.kind_of(event)
+    body = getattr(event, kind)
+    if kind in ("session_created", "session_finished"):
+        return [(SessionRow, body.session_id)]
+    if kind == "request_accepted":
+        if body.WhichOneof("command") == "sample":
+            return []
+        keys: list[tuple[type[Base], str]] = [(RunRow, body.aggregate_id)]
+        if body.HasField("create_model"):
+            keys.append((SessionRow, body.create_model.session_id))
+        return keys
+    if kind == "run_created":
+        return [(RunRow, body.model_id)]
+    if kind == "weights_saved":
+        return [
+            (RunRow, body.model_id),
+            (CheckpointRow, body.tinker_path),
+            (BlobRow, body.blob_key),
+        ]
+    if kind in ("run_unloaded", "run_snapshotted"):
+        return [(BlobRow, body.snapshot_key)]
+    if kind == "sampler_created":
+        return [(SamplerRow, body.sampler_id), (BlobRow, body.adapter_key)]
+    if kind == "checkpoint_deleted":
+        return [(CheckpointRow, body.tinker_path), (BlobRow, body.blob_key)]
+    if kind in ("checkpoint_published", "checkpoint_ttl_set"):
+        return [(CheckpointRow, body.tinker_path)]
+    return []
+
+
+async def prefetch(session: AsyncSession, batch: Sequence[bus.Event]) -> None:
+    """Read every row that folding ``batch`` reads, a few queries per table, so that ``apply``
+    then reads none one at a time."""
+    wanted: dict[type[Base], set[str]] = {}
+    for event in batch:
+        for table, key in _keys(event):
+            wanted.setdefault(table, set()).add(key)
+    rows = _rows(session)
+    for table, keys in wanted.items():
+        column = table.__mapper__.primary_key[0]
+        missing = sorted(key for key in keys if (table, key) not in rows)
+        for start in range(0, len(missing), _PREFETCH_CHUNK):
+            chunk = missing[start : start + _PREFETCH_CHUNK]
+            for row in await session.scalars(select(table).where(column.in_(chunk))):
+                rows[(table, _key_of(row))] = row
+            for key in chunk:
+                rows.setdefault((table, key), None)
+
+
 async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
     """Fold one event into the tables. Returns the blob keys it stopped referencing (a checkpoint
     overwritten under a new key), which the caller may remove from the store."""
     kind = events.kind_of(event)
     body = getattr(event, kind)
     if kind == "session_created":
-        if await session.get(SessionRow, body.session_id) is None:
-            session.add(
+        if await _get(session, SessionRow, body.session_id) is None:
+            _add(
+                session,
                 SessionRow(
                     session_id=body.session_id,
                     seq=seq,
@@ -225,16 +314,16 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
                     sdk_version=body.sdk_version,
                     tags=list(body.tags),
                     user_metadata=dict(body.user_metadata),
-                )
+                ),
             )
     elif kind == "session_finished":
-        finished = await session.get(SessionRow, body.session_id)
+        finished = await _get(session, SessionRow, body.session_id)
         if finished is not None:
             finished.finished, finished.finish_reason = True, body.reason
     elif kind == "request_accepted":
         await _accepted(session, seq, event)
     elif kind == "run_created":
-        run = await session.get(RunRow, body.model_id)
+        run = await _get(session, RunRow, body.model_id)
         if run is not None:
             run.ready, run.tokenizer_id = True, body.tokenizer_id
     elif kind == "weights_saved":
@@ -245,18 +334,18 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
     elif kind == "sampler_created":
         await _sampler(session, seq, event)
     elif kind == "checkpoint_deleted":
-        row = await session.get(CheckpointRow, body.tinker_path)
+        row = await _get(session, CheckpointRow, body.tinker_path)
         if row is not None and row.blob_key == body.blob_key:
-            await session.delete(row)
-            blob = await session.get(BlobRow, body.blob_key)
+            await _delete(session, row)
+            blob = await _get(session, BlobRow, body.blob_key)
             if blob is not None:
-                await session.delete(blob)
+                await _delete(session, blob)
     elif kind == "checkpoint_published":
-        row = await session.get(CheckpointRow, body.tinker_path)
+        row = await _get(session, CheckpointRow, body.tinker_path)
         if row is not None:
             row.public = body.public
     elif kind == "checkpoint_ttl_set":
-        row = await session.get(CheckpointRow, body.tinker_path)
+        row = await _get(session, CheckpointRow, body.tinker_path)
         if row is not None:
             row.ttl_seconds = body.ttl_seconds if body.HasField("ttl_seconds") else None
             row.expires_at = body.expires_at if body.HasField("expires_at") else None
@@ -267,15 +356,16 @@ async def _accepted(session: AsyncSession, seq: int, event: bus.Event) -> None:
     accepted = event.request_accepted
     if accepted.WhichOneof("command") == "sample":
         return
-    run = await session.get(RunRow, accepted.aggregate_id)
+    run = await _get(session, RunRow, accepted.aggregate_id)
     if run is not None:
         run.last_request_time = max(run.last_request_time, event.time)
         return
     if not accepted.HasField("create_model"):
         return
     create = accepted.create_model
-    owner = await session.get(SessionRow, create.session_id)
-    session.add(
+    owner = await _get(session, SessionRow, create.session_id)
+    _add(
+        session,
         RunRow(
             model_id=accepted.aggregate_id,
             seq=seq,
@@ -291,26 +381,27 @@ async def _accepted(session: AsyncSession, seq: int, event: bus.Event) -> None:
             created_at=event.time,
             last_request_time=event.time,
             loaded_from=create.load_path,
-        )
+        ),
     )
 
 
 async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
     saved = event.weights_saved
     path = artifacts.parse(saved.tinker_path)
-    run = await session.get(RunRow, saved.model_id)
+    run = await _get(session, RunRow, saved.model_id)
     ttl = saved.ttl_seconds if saved.HasField("ttl_seconds") else None
     released = []
-    row = await session.get(CheckpointRow, saved.tinker_path)
+    row = await _get(session, CheckpointRow, saved.tinker_path)
     if row is not None:  # overwritten: the new save replaces the row, and its old blob goes
         if row.blob_key != saved.blob_key:
             released.append(row.blob_key)
-            old = await session.get(BlobRow, row.blob_key)
+            old = await _get(session, BlobRow, row.blob_key)
             if old is not None:
-                await session.delete(old)
-        await session.delete(row)
+                await _delete(session, old)
+        await _delete(session, row)
         await session.flush()
-    session.add(
+    _add(
+        session,
         CheckpointRow(
             tinker_path=saved.tinker_path,
             model_id=saved.model_id,
@@ -330,7 +421,7 @@ async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]
             expires_at=event.time + ttl if ttl is not None else None,
             owner=run.owner if run else "",
             project_id=run.project_id if run else "",
-        )
+        ),
     )
     await _reference(session, saved.blob_key, saved.model_id, "checkpoint", saved.size_bytes, seq)
     return released
@@ -338,9 +429,10 @@ async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]
 
 async def _sampler(session: AsyncSession, seq: int, event: bus.Event) -> None:
     created = event.sampler_created
-    if await session.get(SamplerRow, created.sampler_id) is not None:
+    if await _get(session, SamplerRow, created.sampler_id) is not None:
         return
-    session.add(
+    _add(
+        session,
         SamplerRow(
             sampler_id=created.sampler_id,
             seq=seq,
@@ -349,7 +441,7 @@ async def _sampler(session: AsyncSession, seq: int, event: bus.Event) -> None:
             model_path=created.model_path,
             adapter_key=created.adapter_key,
             created_at=event.time,
-        )
+        ),
     )
     model_id = artifacts.ephemeral_run(created.adapter_key)
     if model_id and not created.model_path:  # the unnamed snapshot behind it
@@ -359,9 +451,11 @@ async def _sampler(session: AsyncSession, seq: int, event: bus.Event) -> None:
 async def _reference(
     session: AsyncSession, key: str, model_id: str, role: str, size_bytes: int, seq: int
 ) -> None:
-    row = await session.get(BlobRow, key)
+    row = await _get(session, BlobRow, key)
     if row is None:
-        session.add(BlobRow(key=key, model_id=model_id, role=role, size_bytes=size_bytes, seq=seq))
+        _add(
+            session, BlobRow(key=key, model_id=model_id, role=role, size_bytes=size_bytes, seq=seq)
+        )
     else:
         row.size_bytes, row.seq = size_bytes, seq
 
@@ -379,7 +473,7 @@ async def _superseded_snapshots(session: AsyncSession, model_id: str) -> list[st
     ).scalars()
     superseded = list(rows)[SNAPSHOTS_KEPT:]
     for row in superseded:
-        await session.delete(row)
+        await _delete(session, row)
     return [row.key for row in superseded]
 
 

@@ -17,7 +17,6 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tinsmith import catalog, events, subjects
-from tinsmith._proto import bus_pb2 as bus
 from tinsmith.eventlog import EventLog
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,14 @@ class SqlProjection:
     async def _fold_forever(self) -> None:
         while True:
             batch = [await self._queue.get()]
-            while len(batch) < _BATCH and not self._queue.empty():
+            while len(batch) < _BATCH:
+                if self._queue.empty():
+                    # Let the reader hand over what it holds already (a replay has a window of
+                    # events in hand): one transaction then folds them all, where a live event
+                    # that comes alone is folded at once.
+                    await asyncio.sleep(0)
+                    if self._queue.empty():
+                        break
                 batch.append(self._queue.get_nowait())
             released, kinds = await self._fold_batch(batch)
             # Listeners first (they must not wait on this projection): a reader that waited for
@@ -129,17 +135,19 @@ class SqlProjection:
         kinds: set[str] = set()
         async with self.session() as session, session.begin():
             row = await catalog.position(session, for_update=True)
-            for seq, data in batch:
-                if seq <= row.position:
-                    continue  # folded already (by another replica sharing the database)
-                if seq not in skip:
-                    event: bus.Event = events.decode(data)
-                    kind = events.kind_of(event)
-                    gone = await catalog.apply(session, seq, event)
-                    kinds.add(kind)
-                    if seq > self.replayed_until:
-                        released.extend(gone)
-                row.position = seq
+            # Events folded already (by another replica sharing the database) are left out.
+            todo = [
+                (seq, events.decode(data))
+                for seq, data in batch
+                if seq > row.position and seq not in skip
+            ]
+            await catalog.prefetch(session, [event for _, event in todo])
+            for seq, event in todo:
+                gone = await catalog.apply(session, seq, event)
+                kinds.add(events.kind_of(event))
+                if seq > self.replayed_until:
+                    released.extend(gone)
+            row.position = max(row.position, batch[-1][0])
         return released, kinds
 
     async def wait_for(self, position: int, timeout: float | None = None) -> bool:
