@@ -14,10 +14,11 @@ from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
 
-from tinsmith import events, jobs, subjects, telemetry
+from tinsmith import events, jobs, snapshots, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import MAX_BODY_BYTES, Bus
 from tinsmith.failures import Cancelled, InternalError, InvalidRequest, TinsmithError
+from tinsmith.follower import Follower
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,16 @@ def _once(what: str, request_id: str, epoch: int) -> str:
 
 
 class FollowedProjection:
-    """A ``jobs.Projection`` kept current by following the whole log from its start."""
+    """A ``jobs.Projection`` kept current by following the log: from the newest snapshot of it
+    that this version can read (tinsmith/snapshots.py: the gateway's or the trainer's), else from
+    the log's start. With ``keep_snapshots`` it writes its own now and then, after forgetting
+    the requests nothing can ask about any more (``jobs.Projection.prune``), so that a start
+    replays a bounded tail of the log and memory follows what is live, not the whole history.
+
+    Events purged from the log (tinsmith/retention.py drops only what every kind's snapshot
+    covers) are never silently skipped: a start whose snapshot (or lack of one) does not reach
+    the log's first event fails with ``LogTruncated``, and a projection that finds a gap while it
+    follows (a purge overtook it) starts over from the newest snapshot."""
 
     def __init__(
         self,
@@ -212,14 +222,117 @@ class FollowedProjection:
         # bytes), on the event loop: how the trainer takes the requests of the runs it holds.
         self.on_event = on_event
         self._changed = asyncio.Condition()
+        self.snapshots = snapshots.Store(eventlog.bus)
+        self.kind = ""  # the kind of snapshot it writes (keep_snapshots); "": none
+        self.policy = snapshots.Policy()
+        self.started_from = 0  # the position of the snapshot it started from; 0: the log's start
+        self._reader: Follower | None = None
+        self._log = ""  # the event log's identity (snapshots.log_identity)
+        self._started = False
+        self._since = 0  # events applied since the last snapshot
+        self._first_since = 0.0  # when the first of them was (monotonic)
+        self._writing = False
+        self._resyncing = False
+
+    def keep_snapshots(self, kind: str, policy: snapshots.Policy | None = None) -> None:
+        """Write this projection's snapshot as ``kind`` (one of ``snapshots.KINDS``) whenever
+        ``policy`` says (None: ``snapshots.Policy.from_env()``). Call it before ``start``."""
+        assert kind in snapshots.KINDS, kind
+        self.kind = kind
+        self.policy = policy or snapshots.Policy.from_env()
 
     async def start(self) -> None:
-        """Replay the log so far, then keep following it."""
+        """Load the newest snapshot this version reads, replay the log after it, then keep
+        following it."""
         target = await self.eventlog.bus.last_seq(subjects.EVENTS_STREAM)
-        await self.eventlog.bus.follow(subjects.EVENTS_STREAM, subjects.EVENTS_ALL, self._on_event)
+        self._log = await snapshots.log_identity(self.eventlog.bus)
+        loaded = await self._load()
+        await self._follow_from(loaded)
         await self.wait_for(target)
+        self._started = True
+        self._maybe_write()
+
+    async def _load(self) -> jobs.Projection | None:
+        """The newest snapshot of this log that this version can read, or None (each one passed
+        over says why in the log)."""
+        headers = []
+        for kind in _JOBS_KINDS:
+            try:
+                header = await self.snapshots.latest(kind)
+            except Exception:
+                log.exception("the %s snapshot's header could not be read", kind)
+                continue
+            if header is None:
+                continue
+            if header.log != self._log:
+                log.info("the %s snapshot is of another event log; not used", kind)
+            elif header.fingerprint != _CODEC.fingerprint:
+                log.warning(
+                    "the %s snapshot at %d was written by a version whose projection differs "
+                    "(fingerprint %s, this version's %s); not used, the log is replayed instead",
+                    kind,
+                    header.position,
+                    header.fingerprint,
+                    _CODEC.fingerprint,
+                )
+            else:
+                headers.append(header)
+        for header in sorted(headers, key=lambda h: h.position, reverse=True):
+            started = time.perf_counter()
+            try:
+                data = await self.snapshots.read(header.kind)
+                if data is None:
+                    continue
+                state = await asyncio.to_thread(_decode_snapshot, data, self._log)
+            except Exception:
+                log.exception(
+                    "the %s snapshot at %d could not be read", header.kind, header.position
+                )
+                continue
+            log.info(
+                "projection from the %s snapshot at log position %d (%.1f MB, read in %.2f s)",
+                header.kind,
+                state.position,
+                header.size / 1e6,
+                time.perf_counter() - started,
+            )
+            return state
+        return None
+
+    async def _follow_from(self, loaded: jobs.Projection | None) -> None:
+        bus_ = self.eventlog.bus
+        info = await bus_.js.stream_info(subjects.EVENTS_STREAM)
+        first = int(info.state.first_seq)
+        start = loaded.position + 1 if loaded is not None else 1
+        if first > start:
+            raise LogTruncated(
+                f"the event log starts at position {first}, after {start - 1}, where "
+                + (
+                    f"the newest snapshot this version reads ends (log position {start - 1})"
+                    if loaded is not None
+                    else "this version would have to start: no snapshot it reads is kept"
+                )
+                + ". Events the snapshots covered were dropped (tinsmith/retention.py); "
+                "snapshots written by another version are not read by this one (see the "
+                "warnings above): start the version that wrote them, which reads them"
+            )
+        if loaded is None:
+            log.info("no snapshot of the log to start from: replaying it from its start")
+        self.state = loaded if loaded is not None else jobs.Projection()
+        self.started_from = self.state.position
+        self._since, self._first_since = 0, time.monotonic()
+        self._reader = await bus_.follow(
+            subjects.EVENTS_STREAM, subjects.EVENTS_ALL, self._on_event, start_seq=start
+        )
 
     async def _on_event(self, seq: int, data: bytes) -> None:
+        if self._resyncing:
+            return
+        if seq > self.state.position + 1:
+            # Events before this one were purged before this projection read them.
+            self._resyncing = True
+            self.eventlog.bus.spawn(self._resync(seq))
+            return
         try:
             event = events.decode(data)
             self.state.apply(seq, event)
@@ -232,8 +345,89 @@ class FollowedProjection:
                     self.on_event(seq, event, data)
                 except Exception:
                     log.exception("event %d: its observer failed", seq)
+        self._since += 1
+        if self._since == 1:
+            self._first_since = time.monotonic()
+            if self.kind:  # a slow trickle of events is written after policy.every_s too
+                asyncio.get_running_loop().call_later(self.policy.every_s, self._maybe_write)
+        if self._since >= self.policy.every_events:
+            self._maybe_write()
         async with self._changed:
             self._changed.notify_all()
+
+    async def _resync(self, seq: int) -> None:
+        """Start over from the newest snapshot: the log no longer holds the events between this
+        projection's position and ``seq``."""
+        missing = (self.state.position + 1, seq - 1)
+        log.warning("events %d to %d left the log before this projection read them", *missing)
+        try:
+            if self._reader is not None:
+                await self._reader.stop()
+            loaded = await self._load()
+            if loaded is None or loaded.position < missing[1]:
+                log.error(
+                    "no snapshot covers events %d to %d: this projection goes on without them",
+                    *missing,
+                )
+                self._reader = await self.eventlog.bus.follow(
+                    subjects.EVENTS_STREAM, subjects.EVENTS_ALL, self._on_event, start_seq=seq
+                )
+                self.state.position = seq - 1
+            else:
+                await self._follow_from(loaded)
+        except Exception:
+            log.exception("the projection could not start over from a snapshot")
+        finally:
+            self._resyncing = False
+        async with self._changed:
+            self._changed.notify_all()
+
+    def _maybe_write(self) -> None:
+        """Write a snapshot in the background if one is due and none is being written."""
+        if not self.kind or not self._started or self._writing:
+            return
+        if self.policy.due(self._since, self._first_since, time.monotonic()):
+            self._writing = True
+            self.eventlog.bus.spawn(self._write())
+
+    async def write_snapshot(self) -> bool:
+        """Forget what nothing asks about any more, then store the projection as it is now (its
+        encoding runs on a worker thread). False when a newer one was stored meanwhile."""
+        bus_ = self.eventlog.bus
+        results = await bus_.js.stream_info(subjects.RESULTS_STREAM)
+        pruned = self.state.prune(int(results.state.first_seq))
+        copy = _CODEC.copy(self.state)  # no await since the prune: one consistent state
+        self._since = 0
+        header = snapshots.Header(
+            kind=self.kind,
+            position=copy.position,
+            fingerprint=_CODEC.fingerprint,
+            log=self._log,
+            written_at=time.time(),
+        )
+        started = time.perf_counter()
+        data = await asyncio.to_thread(_encode_snapshot, copy, header)
+        saved = await self.snapshots.save(header, data)
+        log.info(
+            "%s snapshot at log position %d: %d requests (%d forgotten), %.1f MB, %.2f s%s",
+            self.kind,
+            header.position,
+            len(copy.requests),
+            pruned,
+            len(data) / 1e6,
+            time.perf_counter() - started,
+            "" if saved else "; not stored, a newer one is there",
+        )
+        return saved
+
+    async def _write(self) -> None:
+        try:
+            await self.write_snapshot()
+        except Exception:
+            if not self.eventlog.bus.closing:
+                log.exception("writing the %s snapshot failed; trying again later", self.kind)
+        finally:
+            self._writing = False
 
     async def wait_for(self, position: int, timeout: float | None = None) -> bool:
         """Wait until the projection reflects the log up to ``position``; False on timeout."""
@@ -259,4 +453,35 @@ class FollowedProjection:
 
     async def catch_up(self) -> None:
         """Wait until every event appended so far, by any process, is reflected."""
-        await self.wait_for(await self.eventlog.bus.last_seq(subjects.EVENTS_STREAM))
+        info = await self.eventlog.bus.js.stream_info(subjects.EVENTS_STREAM)
+        first = int(info.state.first_seq)
+        if first > self.state.position + 1 and self._reader is not None and not self._resyncing:
+            # The log was purged past this projection: no event it waits for will come.
+            self._resyncing = True
+            self.eventlog.bus.spawn(self._resync(first))
+        await self.wait_for(int(info.state.last_seq))
+
+
+# -- projection snapshots (FollowedProjection) -------------------------------------------------
+
+# The kinds of snapshot that hold a jobs.Projection, and how they are written.
+_JOBS_KINDS = ("gateway", "trainer")
+_CODEC = snapshots.Codec(jobs.Projection)
+
+
+class LogTruncated(RuntimeError):
+    """The log no longer holds events a projection needs, and no snapshot it reads covers them."""
+
+
+def _encode_snapshot(state: jobs.Projection, header: snapshots.Header) -> bytes:
+    return snapshots.pack(header, _CODEC.encode(state))
+
+
+def _decode_snapshot(data: bytes, log_id: str) -> jobs.Projection:
+    header, body = snapshots.unpack(data)
+    if header.fingerprint != _CODEC.fingerprint or header.log != log_id:
+        raise ValueError("the snapshot's fingerprint or log changed while it was read")
+    state = _CODEC.decode(body)
+    if state.position != header.position:
+        raise ValueError(f"the snapshot says {header.position}, its state {state.position}")
+    return state

@@ -446,6 +446,28 @@ class Projection:
     def _usage(self, tenant: str) -> TenantUsage:
         return self.tenants.setdefault(tenant, TenantUsage())
 
+    def prune(self, results_from: int) -> int:
+        """Forget the requests nothing can ask about any more, so that a projection holds what is
+        live rather than the whole history: those completed whose result has left the results
+        stream (``results_from``: the first sequence it still stores; its max age passed), except
+        a run's creation and the requests a rebuild of their run still reads (accepted at or
+        after its ``replay_from``). Pending and failed requests stay. Returns how many went."""
+        gone = [
+            request_id
+            for request_id, request in self.requests.items()
+            if request.status is Status.COMPLETED
+            and 0 < request.result_seq < results_from
+            and request.command != "create_model"
+            and not self._rebuild_reads(request)
+        ]
+        for request_id in gone:
+            del self.requests[request_id]
+        return len(gone)
+
+    def _rebuild_reads(self, request: RequestState) -> bool:
+        run = self.runs.get(request.aggregate_id)
+        return run is not None and (request.log_seq == 0 or request.log_seq >= run.replay_from)
+
 
 def _put(index: dict[_K, _V], key: _K, value: _V | None) -> None:
     if value is not None:

@@ -26,6 +26,9 @@ TRAINER_CONSUMER = "trainer"  # the durable consumer trainers used before leases
 # replica holds each run.
 TRAINERS_BUCKET = "TINSMITH_TRAINERS"
 RUN_OWNERS_BUCKET = "TINSMITH_RUN_OWNERS"
+# The JetStream object store of the projections' snapshots (tinsmith/snapshots.py): each kind's
+# state at a log position, from which a process replays only the log after it.
+SNAPSHOTS_BUCKET = "TINSMITH_SNAPSHOTS"
 SAMPLER_CONSUMER = "sampler"
 
 # Cancelled sample requests: a RequestCancelled is an event of its sampler, on a subject one

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     config = GatewayConfig.from_env()
     gateway = Gateway(config, EventLog(bus))
+    # Its projection starts from the newest snapshot and writes its own
+    # (TINSMITH_PROJECTION_SNAPSHOT_EVENTS, TINSMITH_PROJECTION_SNAPSHOT_S).
+    gateway.projection.keep_snapshots("gateway")
     await gateway.start()
     log.info(
         "authentication: %s (TINSMITH_AUTH); %d keys issued, %d revoked",
