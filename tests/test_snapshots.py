@@ -274,6 +274,6 @@ def test_pruning_forgets_only_requests_nothing_can_ask_about() -> None:
         kept = request_id in state.requests
         expired = request.status is jobs.Status.COMPLETED and request.result_seq < results_from
         run = state.runs.get(request.aggregate_id)
-        rebuild = run is not None and request.log_seq >= run.replay_from
+        rebuild = run is not None and request.seq_id >= state.rebuilt_from(run)
         assert kept == (not expired or request.command == "create_model" or rebuild), request
     assert state.prune(results_from) == 0

@@ -16,6 +16,7 @@ run has a tenant: publishing a row that was everyone's proved nothing about who 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from sqlalchemy import (
     and_,
     false,
     func,
+    insert,
     or_,
     select,
 )
@@ -656,3 +658,63 @@ async def dump(session: AsyncSession) -> dict[str, list[dict[str, Any]]]:
             key=lambda r: repr(sorted(r.items())),
         )
     return out
+
+
+# -- snapshots ---------------------------------------------------------------------------------
+# The checkpoint service's snapshot of the catalog (tinsmith/snapshots.py): every row of every
+# table at a log position, so that a new or dropped database is filled from it and folds only the
+# log after it, once the log before it may have been purged.
+
+
+def fingerprint() -> str:
+    """What a catalog snapshot's rows fit: the schema version and every table's columns."""
+    tables = [
+        f"{table.__tablename__}({','.join(f'{c.key}:{c.type}' for c in table.__table__.columns)})"
+        for table in TABLES
+        if table is not Position
+    ]
+    return hashlib.sha256(f"{SCHEMA};{';'.join(tables)}".encode()).hexdigest()[:32]
+
+
+async def rows(session: AsyncSession) -> tuple[int, dict[str, list[list[Any]]]]:
+    """The position and every row of every table, each row its columns' values in order (JSON:
+    strings, numbers, booleans, None, and the JSON columns' lists and dicts). Read in one
+    transaction that sees one state (``snapshot_options``)."""
+    position_ = (await position(session)).position
+    out: dict[str, list[list[Any]]] = {}
+    for table in TABLES:
+        if table is Position:
+            continue
+        columns = [c.key for c in table.__table__.columns]
+        result = await session.execute(select(*(table.__table__.c[c] for c in columns)))
+        out[table.__tablename__] = [list(row) for row in result.all()]
+    return position_, out
+
+
+def snapshot_options(engine: AsyncEngine) -> dict[str, Any]:
+    """Execution options under which ``rows`` sees one state of the tables: PostgreSQL's default
+    isolation lets each statement see other commits; SQLite's transactions see one already."""
+    if engine.dialect.name == "postgresql":
+        return {"isolation_level": "REPEATABLE READ"}
+    return {}
+
+
+async def restore(session: AsyncSession, at: int, tables: dict[str, list[list[Any]]]) -> bool:
+    """Fill the empty tables with a snapshot's rows at log position ``at``, in the caller's
+    transaction. False, changing nothing, when the tables are at a position already (another
+    replica sharing the database folded or restored meanwhile)."""
+    row = await position(session, for_update=True)
+    if row.position != 0:
+        return False
+    for table in TABLES:
+        found = tables.get(table.__tablename__)
+        if table is Position or not found:
+            continue
+        columns = [c.key for c in table.__table__.columns]
+        for start in range(0, len(found), 1000):
+            chunk = found[start : start + 1000]
+            await session.execute(
+                insert(table), [dict(zip(columns, values, strict=True)) for values in chunk]
+            )
+    row.position = at
+    return True

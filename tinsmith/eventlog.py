@@ -253,51 +253,7 @@ class FollowedProjection:
         self._maybe_write()
 
     async def _load(self) -> jobs.Projection | None:
-        """The newest snapshot of this log that this version can read, or None (each one passed
-        over says why in the log)."""
-        headers = []
-        for kind in _JOBS_KINDS:
-            try:
-                header = await self.snapshots.latest(kind)
-            except Exception:
-                log.exception("the %s snapshot's header could not be read", kind)
-                continue
-            if header is None:
-                continue
-            if header.log != self._log:
-                log.info("the %s snapshot is of another event log; not used", kind)
-            elif header.fingerprint != _CODEC.fingerprint:
-                log.warning(
-                    "the %s snapshot at %d was written by a version whose projection differs "
-                    "(fingerprint %s, this version's %s); not used, the log is replayed instead",
-                    kind,
-                    header.position,
-                    header.fingerprint,
-                    _CODEC.fingerprint,
-                )
-            else:
-                headers.append(header)
-        for header in sorted(headers, key=lambda h: h.position, reverse=True):
-            started = time.perf_counter()
-            try:
-                data = await self.snapshots.read(header.kind)
-                if data is None:
-                    continue
-                state = await asyncio.to_thread(_decode_snapshot, data, self._log)
-            except Exception:
-                log.exception(
-                    "the %s snapshot at %d could not be read", header.kind, header.position
-                )
-                continue
-            log.info(
-                "projection from the %s snapshot at log position %d (%.1f MB, read in %.2f s)",
-                header.kind,
-                state.position,
-                header.size / 1e6,
-                time.perf_counter() - started,
-            )
-            return state
-        return None
+        return await newest_projection(self.snapshots, self._log)
 
     async def _follow_from(self, loaded: jobs.Projection | None) -> None:
         bus_ = self.eventlog.bus
@@ -485,3 +441,49 @@ def _decode_snapshot(data: bytes, log_id: str) -> jobs.Projection:
     if state.position != header.position:
         raise ValueError(f"the snapshot says {header.position}, its state {state.position}")
     return state
+
+
+async def newest_projection(store: snapshots.Store, log_id: str) -> jobs.Projection | None:
+    """The newest ``jobs.Projection`` snapshot of the log ``log_id`` that this version reads,
+    or None (each one passed over says why in the log)."""
+    headers = []
+    for kind in _JOBS_KINDS:
+        try:
+            header = await store.latest(kind)
+        except Exception:
+            log.exception("the %s snapshot's header could not be read", kind)
+            continue
+        if header is None:
+            continue
+        if header.log != log_id:
+            log.info("the %s snapshot is of another event log; not used", kind)
+        elif header.fingerprint != _CODEC.fingerprint:
+            log.warning(
+                "the %s snapshot at %d was written by a version whose projection differs "
+                "(fingerprint %s, this version's %s); not used, the log is replayed instead",
+                kind,
+                header.position,
+                header.fingerprint,
+                _CODEC.fingerprint,
+            )
+        else:
+            headers.append(header)
+    for header in sorted(headers, key=lambda h: h.position, reverse=True):
+        started = time.perf_counter()
+        try:
+            data = await store.read(header.kind)
+            if data is None:
+                continue
+            state = await asyncio.to_thread(_decode_snapshot, data, log_id)
+        except Exception:
+            log.exception("the %s snapshot at %d could not be read", header.kind, header.position)
+            continue
+        log.info(
+            "projection from the %s snapshot at log position %d (%.1f MB, read in %.2f s)",
+            header.kind,
+            state.position,
+            header.size / 1e6,
+            time.perf_counter() - started,
+        )
+        return state
+    return None

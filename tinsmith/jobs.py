@@ -450,8 +450,8 @@ class Projection:
         """Forget the requests nothing can ask about any more, so that a projection holds what is
         live rather than the whole history: those completed whose result has left the results
         stream (``results_from``: the first sequence it still stores; its max age passed), except
-        a run's creation and the requests a rebuild of their run still reads (accepted at or
-        after its ``replay_from``). Pending and failed requests stay. Returns how many went."""
+        a run's creation and the requests a rebuild of their run executes again
+        (``rebuilt_from``). Pending and failed requests stay. Returns how many went."""
         gone = [
             request_id
             for request_id, request in self.requests.items()
@@ -464,9 +464,16 @@ class Projection:
             del self.requests[request_id]
         return len(gone)
 
+    def rebuilt_from(self, run: RunState) -> int:
+        """The lowest seq_id a rebuild of ``run`` executes: its newest snapshot's next one, or 0
+        (its creation) without a snapshot. Its requests from there on are read back from the log
+        by their ``log_seq``."""
+        snapshot = run.snapshot or run.last_snapshot
+        return int(snapshot.next_seq_id) if snapshot is not None else 0
+
     def _rebuild_reads(self, request: RequestState) -> bool:
         run = self.runs.get(request.aggregate_id)
-        return run is not None and (request.log_seq == 0 or request.log_seq >= run.replay_from)
+        return run is not None and request.seq_id >= self.rebuilt_from(run)
 
 
 def _put(index: dict[_K, _V], key: _K, value: _V | None) -> None:

@@ -2,7 +2,8 @@
 
 Keeps the catalog of sessions, training runs, checkpoints and samplers as SQL read models of the
 event log (TINSMITH_CATALOG_URL), answers the gateway's catalog queries over NATS, deletes
-checkpoints whose TTL has passed, and garbage-collects orphaned blobs (TINSMITH_BLOB_URL).
+checkpoints whose TTL has passed, garbage-collects orphaned blobs (TINSMITH_BLOB_URL), snapshots
+the catalog and purges the event log below what every snapshot covers.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Awaitable, Callable
 
-from tinsmith import catalog, runtime, subjects
+from tinsmith import catalog, runtime, snapshots, subjects
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.eventlog import EventLog
@@ -18,6 +19,7 @@ from tinsmith.eventlog import EventLog
 from .config import CheckpointConfig
 from .handlers import Catalog
 from .projection import SqlProjection
+from .retention import Retention
 from .storage import Storage
 
 
@@ -32,6 +34,11 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
         url = f"sqlite+aiosqlite:///{scratch.name}/catalog.db"
     engine = catalog.create_engine(url)
     projection = SqlProjection(eventlog, engine)
+    # The catalog's snapshots (TINSMITH_PROJECTION_SNAPSHOT_EVENTS, _S), and after each, the event
+    # log's retention (TINSMITH_EVENTS_RETENTION).
+    projection.keep_snapshots(snapshots.Policy.from_env())
+    purge = Retention(bus, projection.snapshots, purge=config.events_retention == "snapshots")
+    projection.on_snapshot(purge.after_snapshot)
     storage = Storage(
         eventlog,
         projection,

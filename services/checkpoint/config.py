@@ -20,10 +20,22 @@ class CheckpointConfig:
     gc_interval_s: float = 6 * 3600.0
     # How long the download URLs of get_external_weights_urls stay valid.
     url_ttl_s: int = 3600
+    # The event log's retention (services/checkpoint/retention.py): "snapshots" purges, after
+    # each catalog snapshot, what every kind's newest projection snapshot covers and nothing
+    # needs any more; "keep" keeps every event.
+    events_retention: str = "snapshots"
 
     @classmethod
     def from_env(cls) -> CheckpointConfig:
         return cls(
             blob_url=os.environ.get("TINSMITH_BLOB_URL", "file://./blobs"),
             catalog_url=os.environ.get("TINSMITH_CATALOG_URL", ""),
+            events_retention=_retention(os.environ.get("TINSMITH_EVENTS_RETENTION", "")),
         )
+
+
+def _retention(value: str) -> str:
+    value = value.strip() or "snapshots"
+    if value not in ("snapshots", "keep"):
+        raise SystemExit(f"TINSMITH_EVENTS_RETENTION={value!r}: use snapshots or keep")
+    return value
