@@ -75,7 +75,7 @@ async def test_a_run_has_one_holder_until_it_is_released(connect: object) -> Non
     assert await b.fleet.take(run) is None  # a is alive
     assert await a.fleet.confirm(run)
     await a.fleet.release(run)
-    await _until(lambda: b.orphaned == [run])
+    await _until(lambda: run in b.orphaned)  # (other tests' runs may be orphaned too)
     later = await b.fleet.take(run)
     assert later is not None and later > epoch
     assert not await a.fleet.confirm(run) and await b.fleet.confirm(run)
