@@ -37,6 +37,10 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     log.info("the trainer computes on %s", placement.describe())
     engine = TrainerEngine(config.cache_dir, config.torch_threads, placement)
     trainer = Trainer(bus, engine, BlobStore(config.blob_url), config)
+    # Its projection starts from the newest snapshot and writes its own
+    # (TINSMITH_PROJECTION_SNAPSHOT_EVENTS, TINSMITH_PROJECTION_SNAPSHOT_S); a snapshot keeps
+    # what a run's rebuild reads.
+    trainer.projection.keep_snapshots("trainer")
     await runtime.preload_base_models(trainer.compute, engine.load_base)
     await trainer.start()
     return trainer.stop
