@@ -232,6 +232,7 @@ class FollowedProjection:
         self._since = 0  # events applied since the last snapshot
         self._first_since = 0.0  # when the first of them was (monotonic)
         self._writing = False
+        self._failed_at = -_RETRY_S  # when the last write failed: the next waits _RETRY_S
         self._resyncing = False
 
     def keep_snapshots(self, kind: str, policy: snapshots.Policy | None = None) -> None:
@@ -342,6 +343,8 @@ class FollowedProjection:
         """Write a snapshot in the background if one is due and none is being written."""
         if not self.kind or not self._started or self._writing:
             return
+        if time.monotonic() - self._failed_at < _RETRY_S:
+            return
         if self.policy.due(self._since, self._first_since, time.monotonic()):
             self._writing = True
             self.eventlog.bus.spawn(self._write())
@@ -382,8 +385,11 @@ class FollowedProjection:
         except Exception:
             if not self.eventlog.bus.closing:
                 log.exception("writing the %s snapshot failed; trying again later", self.kind)
-        finally:
             self._writing = False
+            self._failed_at = time.monotonic()
+            return
+        self._writing = False
+        self._maybe_write()  # what was applied meanwhile may be due already
 
     async def wait_for(self, position: int, timeout: float | None = None) -> bool:
         """Wait until the projection reflects the log up to ``position``; False on timeout."""
@@ -422,6 +428,7 @@ class FollowedProjection:
 
 # The kinds of snapshot that hold a jobs.Projection, and how they are written.
 _JOBS_KINDS = ("gateway", "trainer")
+_RETRY_S = 30.0  # after a snapshot failed to be written, the next try waits this long
 _CODEC = snapshots.Codec(jobs.Projection)
 
 

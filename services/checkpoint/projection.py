@@ -32,6 +32,7 @@ _TRANSIENT = (OperationalError, InterfaceError, OSError, TimeoutError)
 Folded = Callable[[list[str], set[str]], Awaitable[None]]
 Snapshotted = Callable[[int], Awaitable[None]]
 KIND = "checkpoint"
+_RETRY_S = 30.0  # after a snapshot failed to be written, the next try waits this long
 
 
 class SqlProjection:
@@ -56,6 +57,8 @@ class SqlProjection:
         self._since = 0  # events folded since the last snapshot
         self._first_since = 0.0
         self._writing = False
+        self._failed_at = -_RETRY_S  # when the last write failed: the next waits _RETRY_S
+        self._started = False
 
     def on_folded(self, listener: Folded) -> None:
         """Call ``listener(released blob keys, event kinds)`` after each committed batch, before
@@ -100,6 +103,7 @@ class SqlProjection:
         )
         await self.wait_for(last)
         log.info("catalog at log position %d (replayed from %d)", last, stored)
+        self._started = True  # snapshots from here on, not in the middle of the replay
         self._maybe_write()
 
     async def _restore(self, stored: int, first: int) -> int:
@@ -192,7 +196,9 @@ class SqlProjection:
 
     def _maybe_write(self) -> None:
         policy = self.policy
-        if policy is None or self._writing or self.sessions is None:
+        if policy is None or self._writing or not self._started:
+            return
+        if time.monotonic() - self._failed_at < _RETRY_S:
             return
         if policy.due(self._since, self._first_since, time.monotonic()):
             self._writing = True
@@ -204,8 +210,11 @@ class SqlProjection:
         except Exception:
             if not self.eventlog.bus.closing:
                 log.exception("writing the catalog snapshot failed; trying again later")
-        finally:
             self._writing = False
+            self._failed_at = time.monotonic()
+            return
+        self._writing = False
+        self._maybe_write()  # what was folded meanwhile may be due already
 
     async def write_snapshot(self) -> bool:
         """Store every row of the catalog at its log position (between two folds, in one
