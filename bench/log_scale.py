@@ -1,20 +1,61 @@
-"""The log at scale: event logs of any number of requests, as RL jobs write them (``History``:
-sessions of three tenants, each with a run that does forward_backward, optim_step, a save for
-sampling and four sample requests per step, with training checkpoints, TTLs, publications,
-deletions, unloads, rejections, failures and cancellations along the way; about 2.2 events per
-request), for the benchmark of start-up time and memory and for the tests of replay and
-snapshots.
+"""The log at scale: how long each service takes to become ready, and the memory it peaks at,
+with 1k, 10k and 100k requests in the event log: started from the log alone (a full replay,
+what every start did before the projection snapshots) and from the snapshots the services keep
+(tinsmith/snapshots.py), side by side on the same logs.
+
+For each size it builds a log as RL jobs write it (``History``: sessions of three tenants, each
+with a run that does forward_backward, optim_step, a save for sampling and four sample requests
+per step, with training checkpoints, TTLs, publications, deletions, unloads, rejections, failures
+and cancellations along the way; about 2.2 events and 1.3 KB per request) on a private
+nats-server, with a result in the results stream for every completion, all but the newest
+2,000 of them expired (the results stream's max age passed: a log of long history). Then it
+starts the gateway, the trainer (on the CPU, no base model loaded) and the checkpoint service (a
+new SQLite catalog each time) as processes (``python -m services.<name>``), one at a time:
+
+- ``replay``: no snapshot kept, each replays the whole log;
+- ``snapshot``: after the gateway and the checkpoint service have written their snapshots (the
+  trainer reads the gateway's until it writes its own), each starts from them.
+
+Ready is the process's first answer to ``tinsmith.ping.<name>``, timed from its spawn (the
+trainer's includes importing torch); peak memory is its VmHWM then.
+
+    .venv/bin/python -m bench.log_scale [--sizes 1000,10000,100000] [--before REV]
+
+``--before REV`` also starts the services of git revision REV (a worktree of it, same
+environment) on each log, with a limit of ``--limit`` seconds. Building the 100k log takes a
+minute or two on 2 cores; the whole run with the default sizes, about five minutes.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from tinsmith import artifacts, events
+import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
+
+from tinsmith import artifacts, events, snapshots, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.bus import MAX_PAYLOAD, Bus
+from tinsmith.embedded import free_port, nats_server_binary
+from tinsmith.eventlog import EventLog
+
+SERVICES = ("gateway", "trainer", "checkpoint")
+ROOT = Path(__file__).resolve().parent.parent
 
 BASE = "tinsmith/tiny"
 TENANTS = ("alice", "bob", "carol")
@@ -242,3 +283,266 @@ def _datum(rng: random.Random) -> tp.Datum:
             "advantages": tp.Tensor(dense=floats, dtype=tp.DTYPE_FLOAT32, shape=shape),
         },
     )
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+
+@dataclass
+class Start:
+    seconds: float | None  # None: not ready within the limit
+    peak_mib: float
+
+
+async def build(url: str, requests: int) -> tuple[int, float]:
+    """Write a log of ``requests`` requests and its results; return its events and MB."""
+    connection = await Bus.connect(url, name="bench-log-scale")
+    await connection.ensure_streams(results_max_age_s=86400)
+    eventlog = EventLog(connection)
+    # Recent times: the checkpoint service would otherwise delete checkpoints whose TTL passed.
+    history = History(requests, start=time.time() - 0.03 * 2.2 * requests)
+    pending = []
+    for event in history:
+        pending.append(eventlog.append(event))
+        if len(pending) == 500:
+            await asyncio.gather(*pending)
+            pending = []
+    await asyncio.gather(*pending)
+    for start in range(0, history.results, 500):
+        await asyncio.gather(
+            *(
+                connection.js.publish(subjects.result_subject(f"bench:{n}"), b"j{}")
+                for n in range(start, min(history.results, start + 500))
+            )
+        )
+    expired = history.results - RECENT_RESULTS
+    if expired > 0:
+        await connection.js.purge_stream(subjects.RESULTS_STREAM, seq=expired + 1)
+    info = await connection.js.stream_info(subjects.EVENTS_STREAM)
+    await connection.close()
+    return int(info.state.messages), int(info.state.bytes) / 1e6
+
+
+def _environment(url: str, work: Path, *, write: bool) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "TINSMITH_NATS_URL": url,
+        "TINSMITH_BLOB_URL": f"file://{work / 'blobs'}",
+        "TINSMITH_HOST": "127.0.0.1",
+        "TINSMITH_DEVICE": "cpu",
+        "TINSMITH_BASE_MODELS": "",
+        "TINSMITH_EVENTS_RETENTION": "keep",  # the same log for every start
+        "TINSMITH_LOG_FORMAT": "text",
+        "HF_HUB_OFFLINE": "1",
+    }
+    # Written at once after the start (write), or not while a start is measured.
+    env["TINSMITH_PROJECTION_SNAPSHOT_EVENTS"] = "1" if write else str(10**9)
+    env["TINSMITH_PROJECTION_SNAPSHOT_S"] = str(10**6)
+    return env
+
+
+def _spawn(name: str, env: dict[str, str], work: Path, code: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **env,
+        "TINSMITH_PORT": str(free_port()),
+        "TINSMITH_GRPC_PORT": str(free_port()),
+        "TINSMITH_CATALOG_URL": f"sqlite+aiosqlite:///{work / f'catalog-{time.time_ns()}.db'}",
+        "TINSMITH_REPLICA": f"bench-{name}",
+        "PYTHONPATH": str(code),
+    }
+    log = (work / f"{name}.log").open("ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", f"services.{name}"],
+        env=env,
+        cwd=code,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _peak_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _ready(url: str, name: str, process: subprocess.Popen[bytes], limit: float) -> bool:
+    nc = await nats.connect(url)
+    deadline = time.monotonic() + limit
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}: see its log")
+            try:
+                await nc.request(subjects.ping_subject(name), b"", timeout=0.5)
+                return True
+            except (NoRespondersError, NatsTimeout):
+                await asyncio.sleep(0.02)
+        return False
+    finally:
+        await nc.close()
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def measure(
+    url: str, name: str, env: dict[str, str], work: Path, code: Path, limit: float
+) -> Start:
+    started = time.monotonic()
+    process = _spawn(name, env, work, code)
+    try:
+        ready = await _ready(url, name, process, limit)
+        seconds = time.monotonic() - started
+        return Start(seconds if ready else None, _peak_mib(process.pid))
+    finally:
+        _stop(process)
+
+
+async def write_snapshots(url: str, work: Path) -> dict[str, int]:
+    """Start the gateway and the checkpoint service until each has stored its snapshot of the
+    whole log; return the positions."""
+    connection = await Bus.connect(url, name="bench-log-scale")
+    last = await connection.last_seq(subjects.EVENTS_STREAM)
+    store = snapshots.Store(connection)
+    env = _environment(url, work, write=True)
+    for name, kind in (("gateway", "gateway"), ("checkpoint", "checkpoint")):
+        process = _spawn(name, env, work, ROOT)
+        try:
+            await _ready(url, name, process, 600)
+            while True:
+                header = await store.latest(kind)
+                if header is not None and header.position >= last:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            _stop(process)
+    positions = await store.positions()
+    await connection.close()
+    return positions
+
+
+async def drop_snapshots(url: str) -> None:
+    connection = await Bus.connect(url, name="bench-log-scale")
+    with contextlib.suppress(NotFoundError):
+        await connection.js.delete_stream(f"OBJ_{subjects.SNAPSHOTS_BUCKET}")
+    await connection.close()
+
+
+def _nats(store: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    config = store / "nats-server.conf"
+    config.write_text(
+        f"listen: 127.0.0.1:{port}\nmax_payload: {MAX_PAYLOAD}\n"
+        f'jetstream {{ store_dir: "{store / "js"}" }}\n'
+    )
+    server = subprocess.Popen(
+        [nats_server_binary(), "-c", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return server, f"nats://127.0.0.1:{port}"
+
+
+def _before(rev: str, work: Path) -> Path:
+    tree = work / "before"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev],
+        check=True,
+        capture_output=True,
+    )
+    return tree
+
+
+def _cell(start: Start) -> str:
+    seconds = f"{start.seconds:7.2f}" if start.seconds is not None else "  never"
+    return f"{seconds} s {start.peak_mib:6.0f} MiB"
+
+
+async def main(sizes: list[int], before: str, limit: float) -> None:
+    work = Path(tempfile.mkdtemp(prefix="tinsmith-bench-log-"))
+    old = _before(before, work) if before else None
+    rows: list[tuple[int, int, float, str, dict[str, Start]]] = []
+    try:
+        for requests in sizes:
+            store = work / f"nats-{requests}"
+            store.mkdir()
+            server, url = _nats(store)
+            try:
+                await asyncio.sleep(0.5)
+                built = time.monotonic()
+                events_, megabytes = await build(url, requests)
+                print(
+                    f"{requests} requests: {events_} events, {megabytes:.0f} MB, "
+                    f"built in {time.monotonic() - built:.0f} s",
+                    flush=True,
+                )
+                quiet = _environment(url, work, write=False)
+                runs: dict[str, dict[str, Start]] = {}
+                if old is not None:
+                    runs["before"] = {
+                        name: await measure(url, name, quiet, work, old, limit) for name in SERVICES
+                    }
+                await drop_snapshots(url)
+                runs["replay"] = {
+                    name: await measure(url, name, quiet, work, ROOT, limit) for name in SERVICES
+                }
+                positions = await write_snapshots(url, work)
+                print(f"  snapshots at {positions}", flush=True)
+                runs["snapshot"] = {
+                    name: await measure(url, name, quiet, work, ROOT, limit) for name in SERVICES
+                }
+                for label, starts in runs.items():
+                    rows.append((requests, events_, megabytes, label, starts))
+                    print(f"  {label:9}" + "".join(f"  {n} {_cell(starts[n])}" for n in SERVICES))
+            finally:
+                server.terminate()
+                server.wait(10)
+    finally:
+        if old is not None:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
+                capture_output=True,
+            )
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(
+        f"{'requests':>9} {'events':>8} {'MB':>5} {'start':>9}"
+        + "".join(f" {name + ' s':>13} {'MiB':>6}" for name in SERVICES)
+    )
+    for requests, events_, megabytes, label, starts in rows:
+        cells = "".join(
+            f" {starts[n].seconds or float('nan'):13.2f} {starts[n].peak_mib:6.0f}"
+            for n in SERVICES
+        )
+        print(f"{requests:>9} {events_:>8} {megabytes:>5.0f} {label:>9}{cells}")
+    print()
+    print("ready time and peak memory, replay / snapshot:")
+    by = {(r[0], r[3]): r[4] for r in rows}
+    for requests in sizes:
+        replay, snap = by[(requests, "replay")], by[(requests, "snapshot")]
+        parts = []
+        for name in SERVICES:
+            slow, fast = replay[name].seconds, snap[name].seconds
+            ratio = f"{slow / fast:.1f}x" if slow and fast else "n/a"
+            parts.append(
+                f"{name} {ratio} time, {replay[name].peak_mib / snap[name].peak_mib:.1f}x memory"
+            )
+        print(f"{requests:>9}: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--before", default="", help="also start the services of this revision")
+    parser.add_argument("--limit", type=float, default=180.0, help="seconds to wait for ready")
+    arguments = parser.parse_args()
+    sizes = [int(size) for size in arguments.sizes.split(",")]
+    asyncio.run(main(sizes, arguments.before, arguments.limit))
