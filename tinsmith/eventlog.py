@@ -259,7 +259,8 @@ class FollowedProjection:
     async def _follow_from(self, loaded: jobs.Projection | None) -> None:
         bus_ = self.eventlog.bus
         info = await bus_.js.stream_info(subjects.EVENTS_STREAM)
-        first = int(info.state.first_seq)
+        # Where the log is whole from: the retention keeps the key events below it.
+        first = max(int(info.state.first_seq), await self.snapshots.purged())
         start = loaded.position + 1 if loaded is not None else 1
         if first > start:
             raise LogTruncated(
@@ -417,6 +418,8 @@ class FollowedProjection:
         """Wait until every event appended so far, by any process, is reflected."""
         info = await self.eventlog.bus.js.stream_info(subjects.EVENTS_STREAM)
         first = int(info.state.first_seq)
+        if self.state.position < int(info.state.last_seq):  # behind: was it purged past?
+            first = max(first, await self.snapshots.purged())
         if first > self.state.position + 1 and self._reader is not None and not self._resyncing:
             # The log was purged past this projection: no event it waits for will come.
             self._resyncing = True

@@ -62,6 +62,7 @@ _CHUNK = 1 << 20  # object store chunks
 _POSITION = "Tinsmith-Position"
 _FINGERPRINT = "Tinsmith-Fingerprint"
 _LOG = "Tinsmith-Log"
+_PURGED = "purged"  # the object that marks how far the event log was purged (no data)
 
 
 # -- the codec ---------------------------------------------------------------------------------
@@ -384,6 +385,32 @@ class Store:
             if header is not None:
                 found[kind] = header.position
         return found
+
+    async def purged(self) -> int:
+        """The position below which the event log was purged (0: never): the retention marks it
+        before it purges, so that a reader that must start below it knows, whatever the stream's
+        first sequence says (the key events below it stay)."""
+        _, info = await self._meta(_PURGED)
+        return 0 if info is None else _header_of(_PURGED, info).position
+
+    async def mark_purged(self, position: int) -> None:
+        """Record that the event log is (about to be) purged below ``position``."""
+        await self.ensure()
+        meta = {
+            "name": _PURGED,
+            "bucket": self.bucket,
+            "nuid": uuid.uuid4().hex,
+            "size": 0,
+            "chunks": 0,
+            "mtime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "digest": "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256().digest()).decode(),
+            "headers": {_POSITION: [str(position)]},
+        }
+        await self.bus.js.publish(
+            self._meta_subject(_PURGED),
+            json.dumps(meta).encode(),
+            headers={api.Header.ROLLUP.value: "sub"},
+        )
 
     async def save(self, header: Header, data: bytes) -> bool:
         """Store ``data`` (``pack``'s) as the kind's snapshot; False when a snapshot at least as

@@ -83,7 +83,9 @@ class SqlProjection:
         bus_ = self.eventlog.bus
         self.sessions = await catalog.open_catalog(self.engine)
         info = await bus_.js.stream_info(subjects.EVENTS_STREAM)
-        first, last = int(info.state.first_seq), int(info.state.last_seq)
+        # Where the log is whole from: the retention keeps the key events below it.
+        first = max(int(info.state.first_seq), await self.snapshots.purged())
+        last = int(info.state.last_seq)
         self._log = info.created.isoformat() if info.created is not None else ""
         async with self.sessions.begin() as session:
             stored = (await catalog.position(session)).position

@@ -3,8 +3,10 @@ purges the event stream below the lowest position anything may still need.
 
 Owns: gathering what the rule (tinsmith/retention.py) weighs, from the bus: every kind's newest
 snapshot position, a projection of the log (the newest gateway or trainer snapshot this version
-reads), and every consumer of the event stream; then the purge, and a log line of what it
-dropped and what holds the rest. Does not own: the rule itself, or the snapshots.
+reads), and every consumer of the event stream; then the purge (every aggregate's events below
+the floor but the keys', after marking the floor in the snapshot store: ``Store.purged``), and
+a log line of what it dropped and what holds the rest. Does not own: the rule itself, or the
+snapshots.
 
 ``TINSMITH_EVENTS_RETENTION=keep`` turns the purge off: the log then keeps every event (starts
 still replay only the log after their snapshot).
@@ -21,6 +23,10 @@ from tinsmith.bus import Bus
 from tinsmith.eventlog import newest_projection
 
 log = logging.getLogger(__name__)
+
+# Aggregates whose events are never purged: API keys are issued and revoked rarely, and
+# `tinsmith keys` reads every key event from the log itself (tinsmith/keyadmin.py).
+KEPT = ("key",)
 
 
 class Retention:
@@ -61,20 +67,27 @@ class Retention:
         floor = retention.floor(
             state, snapshots=positions, kinds=snapshots.KINDS, consumers=consumers
         )
-        first = int(info.state.first_seq)
+        first = max(int(info.state.first_seq), await self.store.purged())
         if floor.position <= first:
             log.info("retention: the log starts at %d, kept: %s", first, floor.reason)
             return floor
-        await self.bus.js.purge_stream(subjects.EVENTS_STREAM, seq=floor.position)
+        # Marked first: a reader that starts meanwhile must not take the log for whole.
+        await self.store.mark_purged(floor.position)
+        for aggregate in subjects.AGGREGATES:
+            if aggregate in KEPT:
+                continue
+            await self.bus.js.purge_stream(
+                subjects.EVENTS_STREAM, seq=floor.position, subject=subjects.events_of(aggregate)
+            )
         after = await self.bus.js.stream_info(subjects.EVENTS_STREAM)
         log.info(
-            "retention: dropped events %d to %d (%d events, %.1f MB); the log starts at %d, "
-            "held by: %s",
+            "retention: dropped events %d to %d but the keys' (%d events, %.1f MB); the log "
+            "now starts at %d, held by: %s",
             first,
             floor.position - 1,
             int(info.state.messages) - int(after.state.messages),
             (int(info.state.bytes) - int(after.state.bytes)) / 1e6,
-            int(after.state.first_seq),
+            floor.position,
             floor.reason,
         )
         return floor

@@ -66,6 +66,26 @@ def _idle(log: list[bus.Event]) -> list[bus.Event]:
     ]
 
 
+async def _whole_from(eventlog: EventLog, checkpoint: SqlProjection, keys: int) -> int:
+    """Where the log is whole from; below it, only the ``keys`` key events stay."""
+    purged = await checkpoint.snapshots.purged()
+    seq, below = 1, []
+    while True:
+        with contextlib.suppress(NotFoundError):
+            found = await eventlog.bus.js.get_msg(
+                subjects.EVENTS_STREAM, seq, subject=subjects.EVENTS_ALL, next=True
+            )
+            if found.seq is not None and found.seq < purged:
+                below.append(found.subject or "")
+                seq = found.seq + 1
+                continue
+        break
+    key = subjects.events_of("key").rstrip(">")
+    assert all(subject.startswith(key) for subject in below), below
+    assert len(below) == keys
+    return max(purged, 1)
+
+
 async def test_a_new_database_is_filled_from_the_newest_catalog_snapshot(
     eventlog: EventLog, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -102,8 +122,7 @@ async def test_the_log_is_purged_below_every_snapshot_and_each_kind_starts_again
 
     assert await gateway.write_snapshot()
     assert await checkpoint.write_snapshot()  # the trainer has none yet: the log stays whole
-    info = await eventlog.bus.js.stream_info(subjects.EVENTS_STREAM)
-    assert info.state.first_seq == 1
+    assert await _whole_from(eventlog, checkpoint, keys=0) == 1
 
     # A request appended now is pending: it holds the log even once every snapshot is past it.
     sample = bus.RequestAccepted(
@@ -116,8 +135,7 @@ async def test_the_log_is_purged_below_every_snapshot_and_each_kind_starts_again
         assert await projection.write_snapshot()
     await checkpoint.catch_up()
     assert await checkpoint.write_snapshot()
-    info = await eventlog.bus.js.stream_info(subjects.EVENTS_STREAM)
-    assert info.state.first_seq == pending_at
+    assert await _whole_from(eventlog, checkpoint, keys=4) == pending_at  # the first log's
 
     done = bus.RequestCompleted(
         request_id="late:sample:1:0", aggregate_id="late:sample:1", result_seq=1
@@ -130,18 +148,30 @@ async def test_the_log_is_purged_below_every_snapshot_and_each_kind_starts_again
     await checkpoint.catch_up()
     assert await checkpoint.write_snapshot()
     positions = await checkpoint.snapshots.positions()
-    info = await eventlog.bus.js.stream_info(subjects.EVENTS_STREAM)
-    assert info.state.first_seq == min(positions.values()) + 1 > pending_at
+    whole_from = await _whole_from(eventlog, checkpoint, keys=8)  # and the second's
+    assert whole_from == min(positions.values()) + 1 > pending_at
 
     # Each kind starts again from its snapshot, the log before it gone.
     again = FollowedProjection(eventlog)
     await again.start()
-    assert again.started_from >= info.state.first_seq - 1
+    assert again.started_from >= whole_from - 1
     assert again.state == gateway.state
     fresh = await _catalog(eventlog, tmp_path / "fresh.db")
     assert await _dump(fresh) == await _dump(checkpoint)
     await checkpoint.engine.dispose()
     await fresh.engine.dispose()
+
+    # Without the snapshots, nothing starts below the purge, though the log's first message
+    # (a key event) is at 1: the purge was marked.
+    for kind in snapshots.KINDS:
+        meta = checkpoint.snapshots._meta_subject(kind)
+        await eventlog.bus.js.purge_stream(checkpoint.snapshots.stream, subject=meta)
+    info = await eventlog.bus.js.stream_info(subjects.EVENTS_STREAM)
+    assert info.state.first_seq == 1
+    with pytest.raises(LogTruncated, match=f"starts at position {whole_from}"):
+        await FollowedProjection(eventlog).start()
+    with pytest.raises(LogTruncated, match=f"starts at {whole_from}"):
+        await _catalog(eventlog, tmp_path / "late.db")
 
 
 async def test_a_database_the_purged_log_no_longer_reaches_is_refused(
