@@ -13,8 +13,8 @@ starts the gateway, the trainer (on the CPU, no base model loaded) and the check
 new SQLite catalog each time) as processes (``python -m services.<name>``), one at a time:
 
 - ``replay``: no snapshot kept, each replays the whole log;
-- ``snapshot``: after the gateway and the checkpoint service have written their snapshots (the
-  trainer reads the gateway's until it writes its own), each starts from them.
+- ``snapshot``: after the gateway and the checkpoint service have written their snapshots, each
+  starts from them (the trainer from the newest of the gateway's and its own, none here).
 
 Ready is the process's first answer to ``tinsmith.ping.<name>``, timed from its spawn (the
 trainer's includes importing torch); peak memory is its VmHWM then.
