@@ -57,6 +57,13 @@ async def connect(nats_url: str) -> AsyncIterator[object]:
             await bus.close()
 
 
+async def _sever(member: Member) -> None:
+    """What a SIGKILL leaves: the connection gone, no renewal, no goodbye."""
+    for task in list(member.fleet.bus._tasks):
+        task.cancel()
+    await member.fleet.bus.nc.close()
+
+
 async def _until(predicate: object, timeout: float = 10.0) -> None:
     assert callable(predicate)
     for _ in range(int(timeout / 0.05)):
@@ -90,9 +97,7 @@ async def test_a_dead_holder_s_runs_are_orphaned_after_its_lease_or_at_once_on_r
     dead = await connect(name)
     watcher = await connect(f"watcher-{name}")
     assert await dead.fleet.take(run) is not None
-    for task in list(dead.fleet.bus._tasks):  # what a SIGKILL leaves: no renewal, no goodbye
-        task.cancel()
-    await dead.fleet.bus.nc.close()
+    await _sever(dead)
 
     restarted = await connect(name, ttl_s=60.0)  # the same identity: its predecessor is dead
     assert run in restarted.orphaned
@@ -100,7 +105,5 @@ async def test_a_dead_holder_s_runs_are_orphaned_after_its_lease_or_at_once_on_r
     # Another replica's expiry: the watcher hears of it once the lease ends.
     short = await connect(f"short-{name}", ttl_s=1.0)
     assert await short.fleet.take(other) is not None
-    for task in list(short.fleet.bus._tasks):
-        task.cancel()
-    await short.fleet.bus.nc.close()
+    await _sever(short)
     await _until(lambda: other in watcher.orphaned, timeout=10)

@@ -300,7 +300,7 @@ class Trainer:
             return None
         if self.fleet.holder(model_id) is not None:
             return None
-        names = placement.order(self.fleet.replicas.values(), run.base_model, 0, 0)
+        names = placement.order(self.fleet.replicas.values(), run.base_model)
         if self.fleet.name not in names:
             return None
         return placement.delay(names, self.fleet.name)
