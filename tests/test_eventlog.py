@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tinsmith import events, jobs
+import asyncio
+
+from tinsmith import events, jobs, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
@@ -72,3 +74,33 @@ async def test_a_result_too_large_to_store_fails_its_request_with_the_limit(
     assert request.error_kind == "invalid_request"
     assert "9.0 MiB" in request.error_detail
     assert f"{MAX_BODY_BYTES / 2**20:.1f} MiB" in request.error_detail
+
+
+async def test_an_outcome_the_bus_does_not_take_at_once_is_recorded_once_it_does(
+    eventlog: EventLog,
+) -> None:
+    """The results stream is away while the work finishes (its publishes go unanswered): the
+    outcome is sent again until the stream is back, and recorded as the result, not turned into
+    a failure of work that succeeded."""
+    projection = FollowedProjection(eventlog)
+    await projection.start()
+    accepted = bus.RequestAccepted(
+        request_id="S:sample:0:3", aggregate_id="S:sample:0", seq_id=3, sample=bus.Sample()
+    )
+    await eventlog.append(events.make(request_accepted=accepted), request_aggregate="sampler")
+    await eventlog.bus.js.delete_stream(subjects.RESULTS_STREAM)
+
+    async def work() -> tuple[bytes, str]:
+        return b'{"ok": 1}', JSON
+
+    async def restore() -> None:
+        await asyncio.sleep(1.0)
+        await eventlog.bus.ensure_streams(results_max_age_s=60)
+
+    await asyncio.gather(
+        eventlog.settle(accepted, work, request_aggregate="sampler", worker="sampler"), restore()
+    )
+    await projection.catch_up()
+    request = projection.state.requests["S:sample:0:3"]
+    assert request.status is jobs.Status.COMPLETED
+    assert await eventlog.get_result(request.result_seq) == (b'{"ok": 1}', JSON)

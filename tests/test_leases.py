@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import pytest
 
+from tinsmith import subjects
 from tinsmith.bus import Bus
 from tinsmith.leases import Fleet, Replica
 
@@ -107,3 +108,16 @@ async def test_a_dead_holder_s_runs_are_orphaned_after_its_lease_or_at_once_on_r
     assert await short.fleet.take(other) is not None
     await _sever(short)
     await _until(lambda: other in watcher.orphaned, timeout=10)
+
+
+async def test_a_replica_started_with_another_lease_sets_the_bucket_s(connect: object) -> None:
+    """The replicas' bucket expires entries after the lease it was made with; a replica started
+    with another TINSMITH_TRAINER_LEASE_S sets it, so that a changed setting takes effect."""
+    assert callable(connect)
+    first = await connect(f"lease-a-{uuid.uuid4().hex[:6]}", ttl_s=1.0)
+    bucket = f"KV_{subjects.TRAINERS_BUCKET}"
+    assert (await first.fleet.bus.js.stream_info(bucket)).config.max_age == 1.0
+    await connect(f"lease-b-{uuid.uuid4().hex[:6]}", ttl_s=2.5)
+    assert (await first.fleet.bus.js.stream_info(bucket)).config.max_age == 2.5
+    await connect(f"lease-c-{uuid.uuid4().hex[:6]}", ttl_s=1.0)  # as the other tests have it
+    assert (await first.fleet.bus.js.stream_info(bucket)).config.max_age == 1.0

@@ -11,13 +11,15 @@ not own: subject names (tinsmith/subjects.py), the durable consumers that servic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
@@ -34,8 +36,16 @@ from tinsmith.workqueue import Delivery, WorkQueue
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 __all__ = ["MAX_BODY_BYTES", "MAX_PAYLOAD", "Bus"]
 DUPLICATE_WINDOW_S = 120.0
+# A request that may be repeated is given this long for its first answer, twice that for the
+# second, and so on within its whole timeout: a responder that died holding it (a killed
+# checkpoint service) costs this much, not the whole timeout, once another one answers.
+FIRST_ATTEMPT_S = 1.0
+# While no one answers a subject (its service restarts), a request is sent again this often.
+NO_RESPONDERS_RETRY_S = 0.2
 CLOSE_TASKS_TIMEOUT_S = 1.0
 # A closing connection waits this long at most for its subscriptions' messages in hand to be
 # processed (nats-py's own default is 30 s, which made a stopping service wait that long).
@@ -52,18 +62,59 @@ class Bus:
         self.replica = f"{name}@{socket.gethostname()}:{os.getpid()}"
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._reconnected_event = asyncio.Event()  # set, and replaced, at each reconnection
+        self._on_reconnect: list[Callable[[], None]] = []
 
     @classmethod
     async def connect(cls, url: str, name: str) -> Bus:
-        nc = await nats.connect(
+        bus = cls(Client(), name)
+        await bus.nc.connect(
             url,
             name=name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; typed int, takes float
             connect_timeout=5,
             drain_timeout=DRAIN_TIMEOUT_S,
+            reconnected_cb=bus._reconnected,
         )
-        return cls(nc, name)
+        return bus
+
+    def on_reconnect(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` each time the connection is made again: whatever the server kept
+        in memory for this client (ephemeral consumers, pull requests) may be gone."""
+        self._on_reconnect.append(listener)
+
+    def off_reconnect(self, listener: Callable[[], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._on_reconnect.remove(listener)
+
+    async def _reconnected(self) -> None:
+        """The connection was made again (nats-py's ``reconnected_cb``)."""
+        log.info("reconnected to NATS")
+        event, self._reconnected_event = self._reconnected_event, asyncio.Event()
+        event.set()
+        for listener in list(self._on_reconnect):
+            listener()
+
+    async def resent_after_reconnect(self, send: Callable[[], Awaitable[T]]) -> T:
+        """``await send()``, sent again if the connection is made again before it is answered:
+        what was in flight on the lost connection is never answered, and its caller would wait
+        out the whole timeout. Only for what may be sent twice (a JetStream publish with a
+        message id, a read)."""
+        while True:
+            reconnected = self._reconnected_event
+            attempt = asyncio.ensure_future(send())
+            waiter = asyncio.ensure_future(reconnected.wait())
+            try:
+                await asyncio.wait({attempt, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                answered = attempt.done()
+                if not answered:
+                    attempt.cancel()
+            if answered:
+                return attempt.result()
+            log.info("sending again what was in flight when the connection was lost")
 
     @property
     def closing(self) -> bool:
@@ -118,21 +169,25 @@ class Bus:
             kind=SpanKind.PRODUCER,
             attributes=_messaging(subject, "publish"),
         ) as span:
-            headers = {api.Header.MSG_ID.value: msg_id} if msg_id else {}
+            # Every append has a message id, the caller's or a fresh one, so that one sent again
+            # after a reconnection is stored once.
+            headers = {api.Header.MSG_ID.value: msg_id or uuid.uuid4().hex}
             telemetry.inject(headers)
-            ack = await self.js.publish(subject, payload, headers=headers or None)
+            ack = await self.resent_after_reconnect(
+                lambda: self.js.publish(subject, payload, headers=headers)
+            )
             span.set_attribute("messaging.message.id", str(ack.seq))
             return ack
 
     async def get(self, stream: str, seq: int) -> bytes:
-        msg = await self.js.get_msg(stream, seq)
+        msg = await self.resent_after_reconnect(lambda: self.js.get_msg(stream, seq))
         return msg.data or b""
 
     async def get_message(self, stream: str, seq: int) -> tuple[bytes, Context, int]:
         """A stored message by sequence: its payload, the trace context its headers carry with
         this reader's receive span in it (its work's spans start under it), and when the stream
         stored it (unix ns; 0 if unknown)."""
-        msg = await self.js.get_msg(stream, seq)
+        msg = await self.resent_after_reconnect(lambda: self.js.get_msg(stream, seq))
         stored = int(msg.time.timestamp() * 1e9) if msg.time is not None else 0
         subject, now = msg.subject or "", time.time_ns()
         span = telemetry.tracer.start_span(
@@ -149,7 +204,7 @@ class Bus:
         return msg.data or b"", set_span_in_context(span), stored
 
     async def last_seq(self, stream: str) -> int:
-        info = await self.js.stream_info(stream)
+        info = await self.resent_after_reconnect(lambda: self.js.stream_info(stream))
         return int(info.state.last_seq)
 
     async def follow(
@@ -234,21 +289,47 @@ class Bus:
 
         await self.nc.subscribe(subject, cb=on_msg)
 
-    async def request(self, subject: str, payload: bytes, timeout: float = 10.0) -> bytes:
+    async def request(
+        self, subject: str, payload: bytes, timeout: float = 10.0, *, repeatable: bool = False
+    ) -> bytes:
         """Ask the service behind ``subject``; its absence is transient (Unavailable), which
-        clients retry."""
+        clients retry. While no one answers (the service restarts), the request is sent again
+        until ``timeout``: no one had it. A ``repeatable`` request (a read, or a change that
+        does nothing the second time) is also sent again when an attempt is not answered in
+        ``FIRST_ATTEMPT_S`` (doubling) or the connection is made again: the one who had it may
+        have died with it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        attempt_s = FIRST_ATTEMPT_S if repeatable else timeout
         with telemetry.tracer.start_as_current_span(
             f"send {subject}", kind=SpanKind.CLIENT, attributes=_messaging(subject, "send")
         ):
             headers: dict[str, str] = {}
             telemetry.inject(headers)
-            try:
-                msg = await self.nc.request(
-                    subject, payload, timeout=timeout, headers=headers or None
-                )
-            except (NoRespondersError, NatsTimeoutError) as exc:
-                raise Unavailable(f"no service answers {subject} yet; retry shortly") from exc
-            return msg.data
+            while True:
+                left = deadline - loop.time()
+                wait_s = max(0.001, min(attempt_s, left))
+
+                def send(wait_s: float = wait_s) -> Awaitable[Msg]:
+                    return self.nc.request(
+                        subject, payload, timeout=wait_s, headers=headers or None
+                    )
+
+                try:
+                    msg = await (self.resent_after_reconnect(send) if repeatable else send())
+                    return msg.data
+                except NoRespondersError as exc:
+                    if left <= NO_RESPONDERS_RETRY_S:
+                        raise Unavailable(
+                            f"no service answers {subject} yet; retry shortly"
+                        ) from exc
+                    await asyncio.sleep(NO_RESPONDERS_RETRY_S)
+                except NatsTimeoutError as exc:
+                    if not repeatable or loop.time() >= deadline - 0.01:
+                        raise Unavailable(
+                            f"{subject} was not answered within {timeout:.0f} s; retry shortly"
+                        ) from exc
+                    attempt_s *= 2
 
     def spawn(self, coro: Awaitable[None]) -> None:
         """Run a background task owned by this connection; it is cancelled on close."""

@@ -12,12 +12,20 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from nats import errors as nats_errors
+from nats.js.errors import NoStreamResponseError
 from opentelemetry import trace
 
 from tinsmith import events, jobs, snapshots, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import MAX_BODY_BYTES, Bus
-from tinsmith.failures import Cancelled, InternalError, InvalidRequest, TinsmithError
+from tinsmith.failures import (
+    Cancelled,
+    InternalError,
+    InvalidRequest,
+    TinsmithError,
+    Unavailable,
+)
 from tinsmith.follower import Follower
 
 log = logging.getLogger(__name__)
@@ -26,6 +34,25 @@ JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
 _MEDIA_TYPES = {JSON: b"j", PROTOBUF: b"p"}
 _MEDIA_BY_TAG = {tag: media for media, tag in _MEDIA_TYPES.items()}
+# An outcome the bus did not take (a timeout, a lost connection) is sent again after this long,
+# doubling up to the most: the work is done, and its outcome is recorded, not turned into a
+# failure. Each retry carries the same message id, so it is stored once.
+_RECORD_RETRY_S = 0.2
+_RECORD_RETRY_MAX_S = 2.0
+# What a bus that is away for a while raises (a timeout, a connection closed or being made
+# again, a stream that does not answer yet): an outcome is sent again. Anything else is a fault
+# of the outcome itself, recorded as the request's failure.
+_TRANSIENT = (
+    TimeoutError,
+    nats_errors.TimeoutError,
+    nats_errors.ConnectionClosedError,
+    nats_errors.ConnectionReconnectingError,
+    nats_errors.NoRespondersError,
+    nats_errors.OutboundBufferLimitError,
+    nats_errors.StaleConnectionError,
+    NoStreamResponseError,
+    Unavailable,
+)
 
 
 class ResultTooLarge(InvalidRequest):
@@ -152,20 +179,6 @@ class EventLog:
         command = events.command_of(accepted)
         try:
             body, media_type = await work()
-            if confirm is not None and not await confirm():
-                log.warning(
-                    "request %s ran, but its run is held elsewhere now", accepted.request_id
-                )
-                return
-            await self.complete(
-                accepted.request_id,
-                accepted.aggregate_id,
-                body,
-                media_type,
-                request_aggregate=request_aggregate,
-                compute_seconds=time.perf_counter() - started,
-                epoch=epoch,
-            )
         except Cancelled as cancelled:
             # Its outcome, the cancellation, is in the log already: nothing to record.
             telemetry.record_error(trace.get_current_span(), cancelled.kind, cancelled.detail)
@@ -177,20 +190,70 @@ class EventLog:
             log.exception("request %s failed in the %s", accepted.request_id, worker)
             failure = InternalError(f"{command} failed in the {worker}: {exc}")
         else:
-            telemetry.work_done(command, time.perf_counter() - started)
-            return
+            if confirm is not None and not await confirm():
+                log.warning(
+                    "request %s ran, but its run is held elsewhere now", accepted.request_id
+                )
+                return
+            try:
+                await self._durably(
+                    accepted.request_id,
+                    lambda: self.complete(
+                        accepted.request_id,
+                        accepted.aggregate_id,
+                        body,
+                        media_type,
+                        request_aggregate=request_aggregate,
+                        compute_seconds=time.perf_counter() - started,
+                        epoch=epoch,
+                    ),
+                )
+            except TinsmithError as error:  # a result too large to store
+                failure = error
+            except Exception as exc:
+                log.exception(
+                    "the outcome of request %s could not be recorded", accepted.request_id
+                )
+                failure = InternalError(f"the outcome of {command} could not be recorded: {exc}")
+            else:
+                telemetry.work_done(command, time.perf_counter() - started)
+                return
         telemetry.record_error(trace.get_current_span(), failure.kind, failure.detail)
         if confirm is not None and not await confirm():
             return
-        await self.fail(
+        await self._durably(
             accepted.request_id,
-            accepted.aggregate_id,
-            failure.kind,
-            failure.detail,
-            request_aggregate=request_aggregate,
-            epoch=epoch,
+            lambda: self.fail(
+                accepted.request_id,
+                accepted.aggregate_id,
+                failure.kind,
+                failure.detail,
+                request_aggregate=request_aggregate,
+                epoch=epoch,
+            ),
         )
         telemetry.work_done(command, time.perf_counter() - started, failure.kind)
+
+    async def _durably(self, request_id: str, record: Callable[[], Awaitable[None]]) -> None:
+        """``await record()`` until the bus takes it: an outcome is never lost to a transient
+        fault of the bus, nor turned into a failure of work that succeeded. Gives up only when
+        this process closes its connection (the request is then another worker's to finish)."""
+        delay = _RECORD_RETRY_S
+        while True:
+            try:
+                await record()
+                return
+            except _TRANSIENT as exc:
+                if self.bus.closing:
+                    raise
+                log.warning(
+                    "could not record the outcome of request %s (%r); again in %.1f s",
+                    request_id,
+                    exc,
+                    delay,
+                )
+            await asyncio.sleep(delay)
+            delay = min(_RECORD_RETRY_MAX_S, delay * 2)
 
 
 def _once(what: str, request_id: str, epoch: int) -> str:
@@ -355,7 +418,10 @@ class FollowedProjection:
         encoding runs on a worker thread). False when a newer one was stored meanwhile."""
         bus_ = self.eventlog.bus
         results = await bus_.js.stream_info(subjects.RESULTS_STREAM)
-        pruned = self.state.prune(int(results.state.first_seq))
+        max_age = results.config.max_age or 0.0
+        pruned = self.state.prune(
+            int(results.state.first_seq), idle_before=time.time() - max_age if max_age else 0.0
+        )
         copy = _CODEC.copy(self.state)  # no await since the prune: one consistent state
         self._since = 0
         header = snapshots.Header(

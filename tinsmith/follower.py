@@ -4,8 +4,8 @@ event log and then keeps following it.
 Owns: an ephemeral JetStream pull consumer per reader (no acks, in memory on the server), the
 credit it grants (never more messages or bytes than ``window`` and ``window_bytes`` in this
 process at once, whatever the handler's speed), handing each message to the handler in stream
-order, and recovering from a lost consumer (a restarted server, a gap in its delivery, silence)
-by making a new one from the next sequence. Does not own: what the messages mean, or the
+order, and recovering from a lost consumer (a reconnection, a gap in its delivery, silence) by
+making a new one from the next sequence. Does not own: what the messages mean, or the
 connection (tinsmith/bus.py).
 
 Why not nats-py's ordered push consumer, which ``Bus.follow`` used before: it is pushed as fast
@@ -112,12 +112,14 @@ class Follower:
 
     async def start(self) -> None:
         await self._new_consumer()
+        self.bus.on_reconnect(self._on_reconnect)
         self.bus.spawn(self._pull_loop())
         self.bus.spawn(self._handle_loop())
 
     async def stop(self) -> None:
         """Hand over nothing more (the message being handled finishes) and delete the consumer."""
         self._stopped = True
+        self.bus.off_reconnect(self._on_reconnect)
         self._arrived.set()
         self._changed.set()
         await self._drop_consumer()
@@ -171,6 +173,14 @@ class Follower:
                 await self.bus.js.delete_consumer(self.stream, consumer)
         self._buffer.clear()
         self._buffered_bytes = 0
+
+    def _on_reconnect(self) -> None:
+        """The connection was made again: the server may have restarted without this in-memory
+        consumer, and the open pull request is lost either way. Start over now rather than
+        after a silence."""
+        log.info("reading %s: reconnected; making a new consumer at %d", self.stream, self.next_seq)
+        self._lost = True
+        self._changed.set()
 
     def _on_msg(self, inbox: str, msg: Msg) -> None:
         if inbox != self._inbox or self._stopped:

@@ -160,7 +160,7 @@ class Fleet:
         key = _key(model_id)
         value = json.dumps({"name": self.name, "instance": self.instance}).encode()
         try:
-            entry = await kv.get(key)
+            entry = await self.bus.resent_after_reconnect(lambda: kv.get(key))
         except KeyNotFoundError as missing:
             entry = missing.entry  # deleted (released): replaced at its revision
         current = _hold(entry)
@@ -181,8 +181,9 @@ class Fleet:
         epoch = self.held.get(model_id)
         if epoch is None:
             return False
+        kv = self._kv(self._runs_kv)
         try:
-            entry = await self._kv(self._runs_kv).get(_key(model_id))
+            entry = await self.bus.resent_after_reconnect(lambda: kv.get(_key(model_id)))
         except KeyNotFoundError:
             return False
         return entry.revision == epoch
@@ -286,11 +287,28 @@ class Fleet:
             if self._left:
                 return
             try:
-                await self._put_own()
+                # A renewal gets a third of the lease: one answered later than that (it was in
+                # flight when the server went away) is of no use, and the next one is due.
+                await asyncio.wait_for(self._put_own(), self.ttl_s / 3)
             except KeyWrongLastSequenceError:
-                await self._fence()
+                if not await self._still_own():
+                    await self._fence()
             except Exception:
                 log.warning("could not renew trainer %s's lease", self.name, exc_info=True)
+
+    async def _still_own(self) -> bool:
+        """Whether this replica's entry is still this process's, though at another revision
+        than the one it knows: a renewal whose answer was lost (a timeout, a reconnection) was
+        applied. Then that revision is taken as the own one."""
+        kv = self._kv(self._replicas_kv)
+        try:
+            entry = await self.bus.resent_after_reconnect(lambda: kv.get(_replica_key(self.name)))
+        except KeyNotFoundError:
+            return False
+        if not entry.value or Replica.decode(entry.value).instance != self.instance:
+            return False
+        self._revision = entry.revision or self._revision
+        return True
 
     async def _fence(self) -> None:
         log.error(
@@ -307,8 +325,10 @@ class Fleet:
     # -- plumbing ------------------------------------------------------------------------------
 
     async def _bucket(self, bucket: str, ttl: float | None) -> KeyValue:
+        """The bucket, made if missing. One made with another lease takes this replica's: the
+        last replica started sets it (give every replica the same ``TINSMITH_TRAINER_LEASE_S``)."""
         try:
-            return await self.bus.js.key_value(bucket)
+            kv = await self.bus.js.key_value(bucket)
         except BucketNotFoundError:
             config = api.KeyValueConfig(
                 bucket=bucket,
@@ -318,6 +338,23 @@ class Fleet:
                 limit_marker_ttl=_MARKER_TTL_S if ttl else None,
             )
             return await self.bus.js.create_key_value(config)
+        if ttl is not None:
+            await self._set_lease(bucket, ttl)
+        return kv
+
+    async def _set_lease(self, bucket: str, ttl: float) -> None:
+        stream = f"KV_{bucket}"
+        config = (await self.bus.js.stream_info(stream)).config
+        if config.max_age is not None and abs(config.max_age - ttl) < 1e-3:
+            return
+        log.warning(
+            "the trainers' lease was %s s; %s sets it to %.1f s (TINSMITH_TRAINER_LEASE_S)",
+            f"{config.max_age:.1f}" if config.max_age else "unlimited",
+            self.name,
+            ttl,
+        )
+        config.max_age = ttl
+        await self.bus.js.update_stream(config)
 
     async def _follow(
         self, kv: KeyValue, handle: Callable[[KeyValue.Entry], Awaitable[None]]

@@ -203,6 +203,7 @@ class WorkQueue:
         await self.bus.js.add_consumer(self.stream, self.config)
         self._inbox = self.bus.nc.new_inbox()
         self._subscription = await self.bus.nc.subscribe(self._inbox, cb=self._on_msg)
+        self.bus.on_reconnect(self._on_reconnect)
         self.bus.spawn(self._pull_loop())
         self.bus.spawn(self._handle_loop())
 
@@ -212,12 +213,20 @@ class WorkQueue:
         back at once. What the service holds is its own to hand back (``Delivery.nak``), for
         another replica now: nothing here can take it again."""
         self._stopped = True
+        self.bus.off_reconnect(self._on_reconnect)
         self._changed.set()
         if self._subscription is not None:
             await self._subscription.unsubscribe()
         while not self._arrived.empty():
             with contextlib.suppress(Exception):
                 await self._arrived.get_nowait().nak()
+
+    def _on_reconnect(self) -> None:
+        """The connection was made again: a restarted server forgot the open pull requests (and
+        one that did not would send to the inbox of the lost connection). Ask again now, not
+        when they would have expired."""
+        self._pulls.clear()
+        self._changed.set()
 
     async def _on_msg(self, msg: Msg) -> None:
         status = (msg.headers or {}).get(_STATUS)

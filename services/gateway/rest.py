@@ -44,6 +44,12 @@ def tenant_of(request: web.Request) -> Tenant:
     return tenant
 
 
+# The catalog operations whose second execution answers differently from the first (a deleted
+# checkpoint is not found): sent again only when no checkpoint service had them. Every other one
+# is a read or sets what it sets, and is sent again when its answer is late (tinsmith/bus.py).
+_NOT_REPEATABLE = frozenset({"delete_checkpoint", "gc"})
+
+
 class Rest:
     def __init__(self, gateway: Gateway, blobs: BlobStore | None) -> None:
         self.gateway = gateway
@@ -73,7 +79,11 @@ class Rest:
         its JSON, or its error raised."""
         query = bus.CatalogQuery(owner=tenant.name, admin=tenant.admin, **fields)
         reply = bus.CatalogReply.FromString(
-            await self.bus.request(subjects.catalog_subject(op), query.SerializeToString())
+            await self.bus.request(
+                subjects.catalog_subject(op),
+                query.SerializeToString(),
+                repeatable=op not in _NOT_REPEATABLE,
+            )
         )
         if reply.error_kind:
             raise from_kind(reply.error_kind, reply.error_detail)
