@@ -96,8 +96,9 @@ def start_system(
     timeout: float = 300.0,
     port: int | None = None,
     env: dict[str, str] | None = None,
+    standby: bool = True,
 ) -> RunningSystem:
-    up = UpProcess(data_dir, port=port, env=env)
+    up = UpProcess(data_dir, port=port, env=env, standby=standby)
     try:
         up.wait_ready(timeout)
     except RuntimeError:

@@ -58,7 +58,9 @@ def _alive(pid: int) -> bool:
 def test_a_signal_stops_every_process(tmp_path: Path, signum: signal.Signals) -> None:
     system = start_system(tmp_path)
     children = _children(system.process.pid)
-    assert len(children) == 5, system.logs()  # nats-server and the four services
+    # The nats-server, the four services and the standby interpreter.
+    assert set(child_pids(system.process.pid)) == {*CHILDREN, "standby"}, system.logs()
+    assert len(children) == 6, system.logs()
     system.process.send_signal(signum)
     assert system.process.wait(60) == 0
     assert not [pid for pid in children if _alive(pid)]
@@ -68,7 +70,7 @@ def test_killing_the_launcher_still_stops_its_children(tmp_path: Path) -> None:
     system = start_system(tmp_path)
     kill_child(system.up, "sampler")  # a child started again is one like the others
     children = _children(system.process.pid)
-    assert len(children) == 5, system.logs()
+    assert set(child_pids(system.process.pid)) >= set(CHILDREN), system.logs()
     os.kill(system.process.pid, signal.SIGKILL)
     system.process.wait(10)
     for pid in children:  # they get SIGTERM from the kernel (PR_SET_PDEATHSIG) and exit
@@ -133,7 +135,9 @@ def _every_service_answers(system: RunningSystem, service: tinker.ServiceClient)
 
 @pytest.mark.e2e
 def test_each_child_killed_is_started_again_the_same_way(tmp_path: Path) -> None:
-    system = start_system(tmp_path)
+    # Fresh processes, whose environment /proc shows (a standby's shows the one it started with;
+    # tests/test_supervision.py checks what it becomes).
+    system = start_system(tmp_path, standby=False)
     try:
         service = tinker.ServiceClient(base_url=system.url, api_key=KEY)
         first = child_pids(system.process.pid)

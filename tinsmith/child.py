@@ -39,9 +39,11 @@ class UpProcess:
         port: int | None = None,
         env: Mapping[str, str] | None = None,
         echo: bool = False,
+        standby: bool = True,
     ) -> None:
         """Start it. ``env`` adds to this process's environment; with ``echo``, its output is
-        printed to stderr as it comes, prefixed ``[tinsmith]``."""
+        printed to stderr as it comes, prefixed ``[tinsmith]``; without ``standby``, it keeps
+        no standby interpreter (``--no-standby``)."""
         self.data_dir = data_dir
         self.url = ""
         self.grpc_target = ""
@@ -50,6 +52,8 @@ class UpProcess:
         self._echo = echo
         self._ready = threading.Event()
         argv = ["up", "--port", str(port or free_port()), "--data-dir", str(data_dir)]
+        if not standby:
+            argv.append("--no-standby")
         self.process = subprocess.Popen(
             [str(Path(sys.executable).parent / "tinsmith"), *argv],
             stdin=subprocess.DEVNULL,

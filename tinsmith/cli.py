@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the gRPC API; default: 8001 with the default --port, else a free port (printed)",
     )
     up.add_argument("--data-dir", type=Path, default=None, help=f"default: {default_data_dir()}")
+    up.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="keep no standby interpreter (about 370 MiB) for quick restarts of the engines",
+    )
 
     serve = commands.add_parser("serve", help="run one service against TINSMITH_NATS_URL")
     serve.add_argument("service", choices=SERVICES)
@@ -58,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port = args.grpc_port
         if grpc_port is None:
             grpc_port = 8001 if args.port == 8000 else 0
-        return _up(args.host, args.port, grpc_port, args.data_dir or default_data_dir())
+        return _up(
+            args.host,
+            args.port,
+            grpc_port,
+            args.data_dir or default_data_dir(),
+            standby=not args.no_standby,
+        )
     if args.command == "keys":
         return _keys(args)
     if args.command == "serve":
@@ -159,7 +170,7 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
+def _up(host: str, port: int, grpc_port: int, data_dir: Path, *, standby: bool = True) -> int:
     # First, and before anything starts: the mode the gateway will run in (it gets it from here).
     auth_mode = tenants.mode_from_env(host)
     print(_AUTH_LINES[auth_mode], flush=True)
@@ -169,6 +180,7 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path) -> int:
         data_dir=data_dir.expanduser().resolve(),
         grpc_port=grpc_port,  # 0: a free one, picked at start
         auth_mode=auth_mode,
+        standby=standby,
     )
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop like Ctrl-C while starting
     try:

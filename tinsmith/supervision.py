@@ -6,7 +6,9 @@ launcher; a clear signal mask; ``PR_SET_PDEATHSIG``, so that it dies with the la
 noticing that one ended (``SIGCHLD``), the one line that says so on the launcher's stderr, the
 backoff before the restart (``Backoff``: 0.5 s doubling up to 30 s, back to 0.5 s once a child
 has stayed up a minute), and stopping the children in groups, each group only after the one
-before has ended.
+before has ended. Also the standby interpreter (tinsmith/standby.py): one process kept with the
+engines' libraries imported, which a Python child that died becomes instead of a fresh process
+(``Supervisor.keep_standby``), and another one started a while after it was used.
 
 Signals are taken by handlers that only note them, with a wakeup pipe that the supervising loop
 waits on (``signal.set_wakeup_fd``), not with a blocked mask and ``sigtimedwait``: threads the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import select
 import signal
@@ -91,6 +94,9 @@ class Child:
     quick_deaths: int = 0  # deaths in a row, each within Backoff.stable_s of its start
     restarts: int = 0
     restart_at: float | None = None  # monotonic; set while it is dead and waiting
+    # Whether it restarts as the standby interpreter when there is one (the engines: their
+    # imports are most of their start; a light service starts sooner on its own).
+    standby: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -100,21 +106,87 @@ class Child:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def spawn(self) -> None:
+    @property
+    def module_args(self) -> list[str] | None:
+        """``["-m", MODULE, *ARGS]`` for a child started as ``python -m MODULE ARGS`` with this
+        Python (what a standby can become); None for any other."""
+        if self.argv[:1] == [sys.executable] and self.argv[1:2] == ["-m"] and len(self.argv) > 2:
+            return self.argv[1:]
+        return None
+
+    def spawn(self, standby: Standby | None = None) -> None:
+        """Start it: a new process, or ``standby`` told to become it."""
         with self.log_path.open("ab") as log:
             if self.restarts:
-                log.write(f"--- tinsmith up: restart {self.restarts} of {self.name} ---\n".encode())
+                how = " (the standby interpreter)" if standby is not None else ""
+                log.write(
+                    f"--- tinsmith up: restart {self.restarts} of {self.name}{how} ---\n".encode()
+                )
                 log.flush()
-            self.process = subprocess.Popen(
-                self.argv,
+            if standby is not None:
+                self.process = standby.become(self)
+            else:
+                self.process = subprocess.Popen(
+                    self.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                    preexec_fn=_prepare_child,
+                )
+        self.started = time.monotonic()
+        self.restart_at = None
+
+
+@dataclass
+class Standby:
+    """A standby interpreter (tinsmith/standby.py) waiting for its order on stdin."""
+
+    process: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, argv: list[str], env: dict[str, str] | None, log_path: Path) -> Standby:
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.env,
+                env=env,
                 start_new_session=True,
                 preexec_fn=_prepare_child,
             )
-        self.started = time.monotonic()
-        self.restart_at = None
+        return cls(process)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def become(self, child: Child) -> subprocess.Popen[bytes]:
+        """Tell it to become ``child`` (started as ``python -m``); its process from now on."""
+        assert self.process.stdin is not None
+        order = {
+            "argv": child.module_args,
+            "env": dict(os.environ if child.env is None else child.env),
+            "log": str(child.log_path),
+            "name": child.name,
+        }
+        self.process.stdin.write(json.dumps(order).encode() + b"\n")
+        self.process.stdin.close()
+        return self.process
+
+    def stop(self) -> None:
+        """End it (it waits on its stdin, or still imports)."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()  # end of its stdin: it exits
+        with contextlib.suppress(ProcessLookupError):
+            self.process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+            return
+        self.process.kill()
+        self.process.wait()
 
 
 @dataclass
@@ -125,15 +197,64 @@ class Supervisor:
     out: TextIO = field(default_factory=lambda: sys.stderr)
     children: dict[str, Child] = field(default_factory=dict)
     stopping: bool = False
+    # A standby is started again this long after the last one was used or died: it imports for
+    # seconds, and should not take the CPU from the service that just replaced a dead one.
+    standby_delay_s: float = 15.0
+    _standby_how: tuple[list[str], dict[str, str] | None, Path] | None = field(
+        default=None, init=False, repr=False
+    )
+    _standby: Standby | None = field(default=None, init=False, repr=False)
+    _standby_at: float | None = field(default=None, init=False, repr=False)
     _signals: _Signals | None = field(default=None, init=False, repr=False)
 
     def start(
-        self, name: str, argv: list[str], env: dict[str, str] | None, log_path: Path
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None,
+        log_path: Path,
+        *,
+        standby: bool = False,
     ) -> Child:
-        child = Child(name, argv, env, log_path)
+        """Start a child; with ``standby``, its restarts use the standby interpreter while there
+        is one (its ``argv`` must be ``python -m MODULE ARGS``, with this Python)."""
+        child = Child(name, argv, env, log_path, standby=standby)
         self.children[name] = child
         child.spawn()
         return child
+
+    def keep_standby(self, argv: list[str], env: dict[str, str] | None, log_path: Path) -> None:
+        """From now on, keep a standby interpreter (``python -m tinsmith.standby MODULES``) for
+        the Python children to become when they die; the first one starts now."""
+        self._standby_how = (argv, env, log_path)
+        self._standby_at = time.monotonic()
+        self._check_standby(self._standby_at)
+
+    def _check_standby(self, now: float) -> None:
+        """Notice a standby that died unused (one line), and start one when it is due."""
+        standby = self._standby
+        if standby is not None and not standby.alive:
+            print(
+                f"tinsmith: the standby interpreter (pid {standby.process.pid}) "
+                f"{how_it_ended(standby.process.wait())}; another one in "
+                f"{self.standby_delay_s:.0f} s",
+                file=self.out,
+                flush=True,
+            )
+            self._standby, self._standby_at = None, now + self.standby_delay_s
+        due, how = self._standby_at, self._standby_how
+        if how is not None and due is not None and due <= now and not self.stopping:
+            self._standby, self._standby_at = Standby.start(*how), None
+
+    def _take_standby(self, child: Child, now: float) -> Standby | None:
+        """The standby, for ``child`` to become, if it may (a living standby, and a ``python -m``
+        child started with ``standby``); another one is due ``standby_delay_s`` from now. One
+        still importing is taken too: it is ahead of a fresh process."""
+        standby = self._standby
+        if standby is None or not standby.alive or not child.standby or not child.module_args:
+            return None
+        self._standby, self._standby_at = None, now + self.standby_delay_s
+        return standby
 
     def first_exit(self) -> Child | None:
         """A child whose process has ended and that is not waiting for its restart yet."""
@@ -148,10 +269,11 @@ class Supervisor:
         now = time.monotonic() if now is None else now
         while (dead := self.first_exit()) is not None:
             self._schedule(dead, now)
+        self._check_standby(now)
         for child in self.children.values():
             if child.restart_at is not None and child.restart_at <= now and not self.stopping:
                 child.restarts += 1
-                child.spawn()
+                child.spawn(self._take_standby(child, now))
 
     def _schedule(self, child: Child, now: float) -> None:
         assert child.process is not None
@@ -170,6 +292,8 @@ class Supervisor:
     def next_wake(self, now: float, idle_s: float = 5.0) -> float:
         """Seconds until the next restart is due; ``idle_s`` when none is."""
         due = [c.restart_at for c in self.children.values() if c.restart_at is not None]
+        if self._standby is None and self._standby_at is not None:
+            due.append(self._standby_at)
         return max(0.0, min(due) - now) if due else idle_s
 
     def supervise(self, stop_signals: Iterable[signal.Signals]) -> int:
@@ -188,6 +312,9 @@ class Supervisor:
         """Restart nothing more, then SIGTERM each group's children and wait for them to end
         before the next group; SIGKILL whatever outlives ``grace_s``."""
         self.stopping = True
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.stop()
         try:
             self._stop(groups, grace_s)
         finally:

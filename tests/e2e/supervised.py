@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tinsmith.child import UpProcess
 
-# Every child of a `tinsmith up` with its embedded NATS.
+# Every child of a `tinsmith up` with its embedded NATS (and its standby interpreter, while it
+# waits: tinsmith/standby.py).
 CHILDREN = ("nats-server", "checkpoint", "trainer", "sampler", "gateway")
 # tinsmith/supervision.py's line for a child that died.
 RESTART_LINE = re.compile(
@@ -30,11 +31,17 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _name(cmdline: list[str]) -> str | None:
+def _name(pid: int, cmdline: list[str]) -> str | None:
+    """Which child a process is: the nats-server, a service (``tinsmith serve NAME``, or the
+    standby interpreter that became it, named by its comm), or the waiting standby."""
     if cmdline and Path(cmdline[0]).name == "nats-server":
         return "nats-server"
     if cmdline[-2:-1] == ["serve"]:
         return cmdline[-1]
+    if cmdline[1:3] == ["-m", "tinsmith.standby"]:
+        # It names itself once it became a child (until then: python, then tinsmith-spare).
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        return comm if comm in CHILDREN else "standby"
     return None
 
 
@@ -48,8 +55,11 @@ def child_pids(launcher: int) -> dict[str, int]:
             cmdline = (status.parent / "cmdline").read_bytes().decode().split("\0")[:-1]
         except OSError:
             continue
-        name = _name(cmdline)
         pid = int(status.parent.name)
+        try:
+            name = _name(pid, cmdline)
+        except OSError:
+            continue
         if name is not None and _alive(pid):
             found[name] = pid
     return found

@@ -40,7 +40,7 @@ PARAMS = types.SamplingParams(max_tokens=16, seed=7, temperature=1.0, stop=[])
 # Seconds from the kill until a call sent after it has completed, at most, in each loop:
 # generous, since a restart's cost on a loaded 2-core machine is several times an idle one's (the
 # printed figures are the real ones); a sampler's old 30 s ack wait would still fail it.
-RECOVERY_BOUND_S = 20.0
+RECOVERY_BOUND_S = 10.0
 TIMEOUT_S = 180.0  # any one call, however disturbed
 
 
