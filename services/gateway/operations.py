@@ -38,6 +38,7 @@ from tinsmith.failures import (
     Overloaded,
     QuotaExceeded,
     TinsmithError,
+    Unprocessable,
     from_kind,
 )
 from tinsmith.limits import Limits, mib
@@ -729,6 +730,15 @@ def _submit(
     existing = _existing(call, held.model_id, seq_id)
     if existing is not None:
         return Done(existing)
+    if seq_id < held.next_seq_id:
+        # Neither pending nor refused, yet behind the run: settled so long ago that its outcome
+        # expired and the projection forgot it (jobs.Projection.prune). Its effect is in the
+        # run's weights; accepted again, it would wait for a turn that passed long ago.
+        raise Unprocessable(
+            f"seq_id {seq_id} of run {held.model_id} was settled long ago and its outcome has "
+            f"expired (outcomes are kept for TINSMITH_RESULTS_MAX_AGE_S); a seq_id is used once: "
+            f"send new work with seq_id {held.next_seq_id} or later"
+        )
     window = call.limits.seq_window
     if seq_id >= held.next_seq_id + window:
         raise Overloaded(

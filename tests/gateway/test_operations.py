@@ -18,6 +18,7 @@ from tinsmith.failures import (
     Overloaded,
     QuotaExceeded,
     TinsmithError,
+    Unprocessable,
 )
 from tinsmith.limits import Limits
 from tinsmith.tenants import Quotas, Tenant
@@ -366,6 +367,33 @@ def test_a_repeated_request_gets_its_first_future_and_a_refused_one_its_refusal(
     rejected = bus.RequestRejected(aggregate_id=RUN, seq_id=2, kind="invalid_request", detail="d")
     state.apply(state.position + 1, _at(NOW, request_rejected=rejected))
     assert _detail(ops.optim_step, _call(ALICE, state), _optim(seq_id=2)) == (InvalidRequest, "d")
+
+
+def test_a_repeat_of_a_request_forgotten_since_is_refused_not_run_again() -> None:
+    """Completed, its result expired and the projection pruned it: its seq_id is behind the run,
+    and a repeat is a 422 that names the next seq_id (accepted again, it would wait forever)."""
+    accepted = bus.RequestAccepted(
+        request_id=f"{RUN}:1",
+        aggregate_id=RUN,
+        seq_id=1,
+        optim_step=bus.OptimStep(adam=bus.AdamParams(learning_rate=1e-4)),
+    )
+    done = bus.RequestCompleted(request_id=f"{RUN}:1", aggregate_id=RUN, result_seq=5)
+    snapshot = bus.RunSnapshotted(model_id=RUN, snapshot_key="runs/x", next_seq_id=2)
+    state = _state(
+        _at(NOW, request_accepted=accepted),
+        _at(NOW, request_completed=done),
+        _at(NOW, run_snapshotted=snapshot),
+    )
+    assert ops.optim_step(_call(ALICE, state), _optim(seq_id=1)) == ops.Done(
+        ops.Future(f"{RUN}:1", RUN)
+    )
+    assert state.prune(results_from=6) == 1
+    kind, detail = _detail(ops.optim_step, _call(ALICE, state), _optim(seq_id=1))
+    assert kind is Unprocessable
+    assert "seq_id 1 of run SA:train:0 was settled long ago" in detail
+    assert "send new work with seq_id 2 or later" in detail
+    assert isinstance(ops.optim_step(_call(ALICE, state), _optim(seq_id=2)), ops.Append)
 
 
 def test_a_request_too_far_ahead_is_429_and_spends_nothing() -> None:
