@@ -58,6 +58,8 @@ SERVICES = ("gateway", "trainer", "checkpoint")
 ROOT = Path(__file__).resolve().parent.parent
 
 BASE = "tinsmith/tiny"
+DAY = 86400
+WEEK = 7 * DAY
 TENANTS = ("alice", "bob", "carol")
 SAMPLES_PER_STEP = 4
 RECENT_RESULTS = 2000  # results still in the results stream; older ones expired
@@ -255,7 +257,7 @@ class History:
         job.checkpoints.append(str(path))
         if rng.random() < 0.3:
             ttl = bus.CheckpointTtlSet(
-                model_id=run, tinker_path=str(path), ttl_seconds=86400, expires_at=self.time + 86400
+                model_id=run, tinker_path=str(path), ttl_seconds=WEEK, expires_at=self.time + WEEK
             )
             yield self._event(checkpoint_ttl_set=ttl)
         if rng.random() < 0.2:
@@ -297,10 +299,11 @@ class Start:
 async def build(url: str, requests: int) -> tuple[int, float]:
     """Write a log of ``requests`` requests and its results; return its events and MB."""
     connection = await Bus.connect(url, name="bench-log-scale")
-    await connection.ensure_streams(results_max_age_s=86400)
+    await connection.ensure_streams(results_max_age_s=DAY)
     eventlog = EventLog(connection)
-    # Recent times: the checkpoint service would otherwise delete checkpoints whose TTL passed.
-    history = History(requests, start=time.time() - 0.03 * 2.2 * requests)
+    # A long history: it ends over a day ago (the results stream's max age), as the purge of all
+    # but the newest results below has it; its checkpoints' TTLs (a week) have not passed.
+    history = History(requests, start=time.time() - DAY - 3600 - 0.03 * 2.2 * requests)
     pending = []
     for event in history:
         pending.append(eventlog.append(event))

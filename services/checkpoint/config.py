@@ -20,10 +20,11 @@ class CheckpointConfig:
     gc_interval_s: float = 6 * 3600.0
     # How long the download URLs of get_external_weights_urls stay valid.
     url_ttl_s: int = 3600
-    # The event log's retention (services/checkpoint/retention.py): "snapshots" purges, after
-    # each catalog snapshot, what every kind's newest projection snapshot covers and nothing
-    # needs any more; "keep" keeps every event.
-    events_retention: str = "snapshots"
+    # The event log's retention (services/checkpoint/retention.py): "keep" keeps every event
+    # (the default: a version whose projections differ can start only from the whole log);
+    # "snapshots" purges, after each catalog snapshot, what every kind's newest projection
+    # snapshot covers and nothing needs any more.
+    events_retention: str = "keep"
 
     @classmethod
     def from_env(cls) -> CheckpointConfig:
@@ -35,7 +36,7 @@ class CheckpointConfig:
 
 
 def _retention(value: str) -> str:
-    value = value.strip() or "snapshots"
+    value = value.strip() or "keep"
     if value not in ("snapshots", "keep"):
         raise SystemExit(f"TINSMITH_EVENTS_RETENTION={value!r}: use snapshots or keep")
     return value

@@ -8,8 +8,10 @@ the floor but the keys', after marking the floor in the snapshot store: ``Store.
 a log line of what it dropped and what holds the rest. Does not own: the rule itself, or the
 snapshots.
 
-``TINSMITH_EVENTS_RETENTION=keep`` turns the purge off: the log then keeps every event (starts
-still replay only the log after their snapshot).
+Only with ``TINSMITH_EVENTS_RETENTION=snapshots``; by default (``keep``) the log keeps every
+event (starts still replay only the log after their snapshot), so that a version whose
+projection types differ, which cannot read the snapshots of the one before, can start from the
+whole log.
 """
 
 from __future__ import annotations

@@ -184,11 +184,11 @@ async def test_a_database_the_purged_log_no_longer_reaches_is_refused(
         await _catalog(eventlog, tmp_path / "late.db")
 
 
-def test_the_retention_is_snapshots_unless_told_to_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_log_is_kept_unless_told_to_purge(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TINSMITH_EVENTS_RETENTION", raising=False)
-    assert CheckpointConfig.from_env().events_retention == "snapshots"
-    monkeypatch.setenv("TINSMITH_EVENTS_RETENTION", "keep")
     assert CheckpointConfig.from_env().events_retention == "keep"
+    monkeypatch.setenv("TINSMITH_EVENTS_RETENTION", "snapshots")
+    assert CheckpointConfig.from_env().events_retention == "snapshots"
     monkeypatch.setenv("TINSMITH_EVENTS_RETENTION", "forever")
     with pytest.raises(SystemExit, match="TINSMITH_EVENTS_RETENTION='forever'"):
         CheckpointConfig.from_env()
