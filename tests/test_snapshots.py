@@ -264,16 +264,36 @@ async def test_a_projection_past_which_the_log_was_purged_catches_up_from_a_snap
     assert lagging.state == _replayed(log)
 
 
-def test_pruning_forgets_only_requests_nothing_can_ask_about() -> None:
-    state = _replayed(list(History(2000, seed=7)))
+def test_pruning_forgets_only_what_nothing_can_ask_about() -> None:
+    log = list(History(8000, seed=7))  # long enough for sessions to finish
+    state = _replayed(log)
     before = dict(state.requests)
+    samplers = dict(state.samplers)
     results_from = 1 + max(r.result_seq for r in before.values()) // 2
-    pruned = state.prune(results_from)
+    idle_before = (log[0].time + log[-1].time) / 2
+    expired = [
+        r
+        for r in before.values()
+        if r.status is jobs.Status.COMPLETED and 0 < r.result_seq < results_from
+    ]
+    horizon = max(r.log_seq for r in expired)
+    pruned = state.prune(results_from, idle_before=idle_before)
     assert 0 < pruned < len(before)
+    failed_gone = 0
     for request_id, request in before.items():
         kept = request_id in state.requests
-        expired = request.status is jobs.Status.COMPLETED and request.result_seq < results_from
+        old = (request.status is jobs.Status.COMPLETED and request.result_seq < results_from) or (
+            request.status is jobs.Status.FAILED and request.log_seq < horizon
+        )
         run = state.runs.get(request.aggregate_id)
         rebuild = run is not None and request.seq_id >= state.rebuilt_from(run)
-        assert kept == (not expired or request.command == "create_model" or rebuild), request
-    assert state.prune(results_from) == 0
+        assert kept == (not old or request.command == "create_model" or rebuild), request
+        failed_gone += request.status is jobs.Status.FAILED and not kept
+    assert failed_gone > 0
+    asked = {r.aggregate_id for r in state.requests.values()}
+    for sampler_id, sampler in samplers.items():
+        session = state.sessions[sampler.session_id]
+        idle = session.finished and session.last_active < idle_before and sampler_id not in asked
+        assert (sampler_id in state.samplers) == (not idle), sampler
+    assert 0 < len(state.samplers) < len(samplers)
+    assert state.prune(results_from, idle_before=idle_before) == 0

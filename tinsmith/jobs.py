@@ -446,22 +446,49 @@ class Projection:
     def _usage(self, tenant: str) -> TenantUsage:
         return self.tenants.setdefault(tenant, TenantUsage())
 
-    def prune(self, results_from: int) -> int:
-        """Forget the requests nothing can ask about any more, so that a projection holds what is
-        live rather than the whole history: those completed whose result has left the results
-        stream (``results_from``: the first sequence it still stores; its max age passed), except
-        a run's creation and the requests a rebuild of their run executes again
-        (``rebuilt_from``). Pending and failed requests stay. Returns how many went."""
+    def prune(self, results_from: int, idle_before: float = 0.0) -> int:
+        """Forget what nothing can ask about any more, so that a projection holds what is live
+        rather than the whole history. Returns how many requests went.
+
+        - Requests completed whose result has left the results stream (``results_from``: the
+          first sequence it still stores; its max age passed).
+        - Requests failed before the newest of those was accepted (their outcome is in the
+          projection, not the results stream: they go as old as the results do).
+        - Except, of both, a run's creation and the requests a rebuild of their run executes
+          again (``rebuilt_from``). Pending requests stay.
+        - Samplers of a session that was finished and last active before ``idle_before`` (event
+          time; 0: none go), with no request left here: nothing can sample on them any more but
+          a client that kept one past its session's end that long."""
+        expired = [
+            request
+            for request in self.requests.values()
+            if request.status is Status.COMPLETED and 0 < request.result_seq < results_from
+        ]
+        horizon = max((request.log_seq for request in expired), default=0)
+        failed = [
+            request
+            for request in self.requests.values()
+            if request.status is Status.FAILED and 0 < request.log_seq < horizon
+        ]
         gone = [
-            request_id
-            for request_id, request in self.requests.items()
-            if request.status is Status.COMPLETED
-            and 0 < request.result_seq < results_from
-            and request.command != "create_model"
-            and not self._rebuild_reads(request)
+            request.request_id
+            for request in (*expired, *failed)
+            if request.command != "create_model" and not self._rebuild_reads(request)
         ]
         for request_id in gone:
             del self.requests[request_id]
+        if idle_before > 0:
+            asked = {request.aggregate_id for request in self.requests.values()}
+            idle = [
+                sampler_id
+                for sampler_id, sampler in self.samplers.items()
+                if sampler_id not in asked
+                and (session := self.sessions.get(sampler.session_id)) is not None
+                and session.finished
+                and session.last_active < idle_before
+            ]
+            for sampler_id in idle:
+                del self.samplers[sampler_id]
         return len(gone)
 
     def rebuilt_from(self, run: RunState) -> int:
