@@ -65,7 +65,11 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. a bad content encoding
         reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
         detail = f"{request.method} {request.path}: the body could not be read: {reason}"
-        return web.json_response({"detail": detail[:500]}, status=400)
+        response = web.json_response({"detail": detail[:500]}, status=400)
+        # Where this body ends is unknown now, so the connection ends with the answer; saying
+        # so (Connection: close) keeps a client from sending its next request on it.
+        response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status >= 400:
             return web.json_response(

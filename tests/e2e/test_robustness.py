@@ -291,6 +291,18 @@ def test_http(http: httpx.Client, ctx: Ctx, case: Http) -> None:
     check_refusal(case, send(http, ctx, case))
 
 
+def test_a_body_that_cannot_be_read_ends_its_connection_and_says_so(
+    http: httpx.Client, ctx: Ctx
+) -> None:
+    """Where such a body ends is unknown, so the gateway closes the connection after its answer;
+    without ``Connection: close`` a client sent its next request on it, now and then, and had
+    it reset."""
+    case = next(c for c in HTTP_CASES if c.name == "create_session: gzip that is not gzip")
+    reply = send(http, ctx, case)
+    check_refusal(case, reply)
+    assert reply.headers.get("connection") == "close"
+
+
 @pytest.mark.parametrize("case", RPC_CASES, ids=[c.name for c in RPC_CASES])
 def test_grpc(channel: grpc.Channel, ctx: Ctx, case: Rpc) -> None:
     request = case.request(ctx) if callable(case.request) else case.request
