@@ -36,8 +36,8 @@ vocabulary, passed as ids (the SDK's tokenizer is never loaded).
    session before its first request. It is split from the event log too: the trainer's save
    request, and the sampler's time (``compute_seconds``) of the first sample against the warm one.
 
-Part 1 runs before any adapter exists, so the sampler's base model is still a plain transformers
-model; once an adapter is loaded, every forward, base-model rows included, goes through PEFT.
+Part 1 runs before any adapter exists; the sampler's LoRA layer (services/lora_slots.py) is
+installed on the base from its load, and a base-model row never computes an adapter's path.
 
     .venv/bin/python -m bench.sample_throughput [--model M] [--batch 16] [--prompt 32]
         [--tokens 64] [--rounds 5]

@@ -6,8 +6,10 @@ admits waiting sequences (below), then samples one token for every row and runs 
 all rows that go on. A request's prompt is prefilled once (the requests prefilled in one step are
 left-padded together, each row with its own positions); its cache is copied to one row per
 sequence, and the new rows are merged into the running batch (the shorter cache left-padded,
-masked out). Rows may use different adapters: PEFT's mixed-adapter forward takes one adapter name
-per row (``__base__`` for none). Finished rows leave the batch, and cache columns that no row
+masked out). Rows may use different adapters: each adapter sits in a slot of its base model's
+LoRA layer (services/lora_slots.py, installed when the base loads), and each forward routes every
+row to its adapter's slot, or to none; a step costs the same however many adapters are held, and
+loading one is a copy into a slot. Finished rows leave the batch, and cache columns that no row
 attends to any more are cut off.
 
 Fair sharing: one request holds at most ``rows_per_request`` rows at a time
@@ -42,9 +44,9 @@ Device and precision (``services/device.py``'s ``Placement``): the base weights 
 ``placement.device`` in ``placement.dtype`` (bfloat16 by default on a GPU, float32 on the CPU),
 and so does every tensor the engine makes: token ids, masks, positions, sampling tensors and
 each sequence's generator. Adapters are loaded onto the device in float32, whatever the base's
-dtype: the trainer keeps LoRA parameters in float32 beside a bfloat16 base, and PEFT computes a
-float32 adapter's path in float32 (the input cast up, the output cast back to the base's dtype),
-so the sampler's adapted forward is the trainer's; an adapter's weights are small beside the
+dtype: the trainer keeps LoRA parameters in float32 beside a bfloat16 base, and both compute
+the adapter's path in float32 (the input cast up, the output cast back to the base's dtype), so
+the sampler's adapted forward is the trainer's; an adapter's weights are small beside the
 base's. Logits are cast to float32 before anything reads them: temperature, top-k, top-p, the
 log-softmax and every logprob returned. One code path serves CUDA, MPS and the CPU. A seeded
 sequence is reproducible on one device and torch version; across devices its tokens can differ
@@ -70,7 +72,6 @@ never evicted).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -83,18 +84,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from peft import PeftModel
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from services import device
+from services import device, lora_slots
 from services.device import DEVICE_VARIABLE, MEMORY_VARIABLE, Placement
-from tinsmith import models
+from services.lora_slots import NO_ADAPTER
+from tinsmith import lora, models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, Unavailable, Unprocessable
-from tinsmith.limits import mib
+from tinsmith.limits import Limits, mib
 
 from .engine import (
     DEFAULT_ADAPTER_CACHE_BYTES,
@@ -116,8 +117,6 @@ from .memory import Ask, Costs, Plan, Rows
 
 log = logging.getLogger(__name__)
 
-# PEFT's name for "no adapter" in a mixed-adapter batch.
-BASE_ADAPTER = "__base__"
 # Sequences decoded together at most; requests beyond it wait for rows to finish.
 DEFAULT_MAX_ROWS = 256
 # The generator stream of a request's prompt_alt_tokens draws (sequence i uses stream i).
@@ -130,14 +129,16 @@ Finished = list[tuple[int, bytes | Exception]]
 
 @dataclass
 class _Adapter:
-    name: str  # PEFT adapter name
-    nbytes: int
+    slot: int  # in its base's ``slots``
+    nbytes: int  # what it takes in the slots' stacks
 
 
 @dataclass
 class _Base:
     name: str
-    model: PreTrainedModel | PeftModel
+    model: PreTrainedModel
+    # Its LoRA slots (services/lora_slots.py); None for an architecture no run can train.
+    slots: lora_slots.Slots | None
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     vocab_size: int
@@ -147,7 +148,6 @@ class _Base:
     costs: Costs  # what its rows take on the device
     weight_bytes: int  # its weights and buffers on the device
     adapters: OrderedDict[str, _Adapter] = field(default_factory=OrderedDict)  # LRU first
-    loaded: int = 0  # adapters ever loaded, for unique PEFT names
 
 
 @dataclass
@@ -165,7 +165,7 @@ class _Request:
     ticket: int
     command: bus.Sample
     base: _Base
-    adapter: str
+    adapter: int  # its slot in the base's slots, or NO_ADAPTER
     stop_ids: frozenset[int]
     stop_strs: list[str]
     seed: int = 0
@@ -289,7 +289,19 @@ class TorchEngine:
             plain = _mergeable(DynamicCache(config=model.config))
             dtype_bytes = torch.empty((), dtype=placement.dtype).element_size()
             costs = Costs.of(config, dtype_bytes, vocab)
-            base = _Base(name, model, tokenizer, eos_ids, vocab, plain, costs, _weight_bytes(model))
+            layout = lora.LAYOUTS.get(models.get(name).arch)
+            slots = (
+                lora_slots.install(
+                    model,
+                    {module for group in layout.values() for module in group},
+                    max_rank=Limits.from_env().max_lora_rank,
+                )
+                if layout is not None
+                else None
+            )
+            base = _Base(
+                name, model, slots, tokenizer, eos_ids, vocab, plain, costs, _weight_bytes(model)
+            )
             self.bases[name] = base
             log.info(
                 "loaded %s on %s in %s: %s of weights, %s of KV cache per token of a sequence",
@@ -316,43 +328,27 @@ class TorchEngine:
         return sum(a.nbytes for a in base.adapters.values()) if base else 0
 
     def load_adapter(self, base_model: str, key: str, directory: Path) -> None:
-        """Load the PEFT adapter in ``directory`` under its object-store ``key``."""
+        """Load the adapter saved in ``directory`` (PEFT's format) under its object-store
+        ``key``."""
         base = self._base(base_model)
         if key not in base.adapters:
             self._load_adapter(base, key, directory)
 
     def _load_adapter(self, base: _Base, key: str, directory: Path) -> None:
-        """Load an adapter onto the device, in float32 (PEFT's ``autocast_adapter_dtype``, and
-        checked: see the module's docstring). One that fails to load leaves nothing behind."""
-        name = f"a{base.loaded}"
-        base.loaded += 1
-        target = str(self.placement.device)
+        """Copy an adapter into a slot of its base (services/lora_slots.py), in float32 whatever
+        the base's dtype. One that fails to load leaves nothing behind."""
+        if base.slots is None:
+            raise InvalidRequest(
+                f"the base model {base.name!r} takes no LoRA adapters here: its architecture "
+                f"has no LoRA layout (supported: {', '.join(sorted(lora.LAYOUTS))})"
+            )
         try:
-            if isinstance(base.model, PeftModel):
-                base.model.load_adapter(
-                    str(directory),
-                    adapter_name=name,
-                    torch_device=target,
-                    autocast_adapter_dtype=True,
-                )
-            else:
-                base.model = PeftModel.from_pretrained(
-                    base.model,
-                    str(directory),
-                    adapter_name=name,
-                    torch_device=target,
-                    autocast_adapter_dtype=True,
-                )
-            base.model.eval()
-            marker = f".{name}."
-            params = [p for n, p in base.model.named_parameters() if marker in n]
-            for param in params:
-                if param.device != self.placement.device or param.dtype != torch.float32:
-                    param.data = param.data.to(self.placement.device, torch.float32)
+            adapter = lora_slots.read_adapter(directory, self.placement.device)
+            nbytes = base.slots.bytes_of(adapter.weights, adapter.rank)
+            slot = base.slots.load(adapter.weights, adapter.rank, adapter.scale)
+        except ValueError as exc:
+            raise Unprocessable(f"the adapter {key!r} cannot be loaded: {exc}") from None
         except Exception as exc:
-            if isinstance(base.model, PeftModel) and name in base.model.peft_config:
-                with contextlib.suppress(Exception):  # the load's own error is the one to tell
-                    _drop_adapter(base, name)
             if not device.is_out_of_memory(exc):
                 raise
             error = Unavailable(
@@ -360,8 +356,7 @@ class TorchEngine:
                 f"{str(exc).splitlines()[0]}"
             )
         else:
-            nbytes = sum(p.numel() * p.element_size() for p in params)
-            base.adapters[key] = _Adapter(name, nbytes)
+            base.adapters[key] = _Adapter(slot, nbytes)
             self._evict(base, keep=key)
             return
         device.release(self.placement.device)
@@ -370,20 +365,24 @@ class TorchEngine:
     def _evict(self, base: _Base, keep: str) -> None:
         """Drop what ``keep`` (just loaded) supersedes, and keep the cache within its bound
         (``evictions``)."""
-        names = {r.adapter for r in self._requests.values() if r.base is base}
-        in_use = {key for key, a in base.adapters.items() if a.name in names} | {keep}
+        used = {r.adapter for r in self._requests.values() if r.base is base}
+        in_use = {key for key, a in base.adapters.items() if a.slot in used} | {keep}
         sizes = {key: a.nbytes for key, a in base.adapters.items()}
         for key in evictions(sizes, self.adapter_cache_bytes, in_use, keep):
             adapter = base.adapters.pop(key)
-            _drop_adapter(base, adapter.name)
+            _drop_adapter(base, adapter.slot)
             log.info("evicted adapter %s (%d bytes) from %s", key, adapter.nbytes, base.name)
+        if base.slots is not None:
+            # Stacks twice as long as their adapters need give their free places back; not
+            # at every eviction, or each load would grow them again.
+            base.slots.shrink(slack=2.0)
 
     # -- requests ------------------------------------------------------------------------------
 
     def add(self, ticket: int, command: bus.Sample, adapter_dir: Path | None = None) -> None:
         base = self._base(command.base_model)
         check_command(command, base.vocab_size)
-        adapter = BASE_ADAPTER
+        adapter = NO_ADAPTER
         if command.adapter_key:
             key = command.adapter_key
             if key not in base.adapters:
@@ -391,7 +390,7 @@ class TorchEngine:
                     raise AdapterMissing(f"the adapter {key!r} is not loaded in the sampler")
                 self._load_adapter(base, key, adapter_dir)
             base.adapters.move_to_end(key)
-            adapter = base.adapters[key].name
+            adapter = base.adapters[key].slot
         stop_ids, stop_strs = stop_rule(command.params, base.eos_ids)
         params = command.params
         seed = params.seed if params.HasField("seed") else random.getrandbits(63)
@@ -556,7 +555,7 @@ class TorchEngine:
     def _held(self) -> tuple[int, int, int]:
         """The bytes of the base weights, the adapters and the kept prompts."""
         weights = sum(base.weight_bytes for base in self.bases.values())
-        adapters = sum(a.nbytes for base in self.bases.values() for a in base.adapters.values())
+        adapters = self._slot_bytes()
         prompts = 0
         for request in self._requests.values():
             if request.prompt is not None:
@@ -628,25 +627,34 @@ class TorchEngine:
 
     def _evict_idle(self, excess: int) -> int:
         """Drop adapters that no queued or running request uses, least recently used first,
-        until ``excess`` bytes are freed or none is left; the bytes freed."""
+        until ``excess`` bytes are freed or none is left, and give their places in the slots'
+        stacks back; the bytes freed."""
         in_use = {(r.base.name, r.adapter) for r in self._requests.values()}
-        freed = 0
+        before = self._slot_bytes()
+        dropped = 0
         for base in self.bases.values():
             for key, adapter in list(base.adapters.items()):
-                if freed >= excess:
-                    return freed
-                if (base.name, adapter.name) in in_use:
+                if dropped >= excess:
+                    break
+                if (base.name, adapter.slot) in in_use:
                     continue
                 del base.adapters[key]
-                _drop_adapter(base, adapter.name)
-                freed += adapter.nbytes
+                _drop_adapter(base, adapter.slot)
+                dropped += adapter.nbytes
                 log.info(
                     "evicted adapter %s (%d bytes) from %s to make room in the memory budget",
                     key,
                     adapter.nbytes,
                     base.name,
                 )
-        return freed
+        for base in self.bases.values():
+            if base.slots is not None:
+                base.slots.shrink()
+        return before - self._slot_bytes()
+
+    def _slot_bytes(self) -> int:
+        """What the adapters' slots take on the device: their stacks, free places included."""
+        return sum(base.slots.nbytes() for base in self.bases.values() if base.slots is not None)
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -775,12 +783,14 @@ class TorchEngine:
             device.release(self.placement.device)
         return [b for one in slices for b in self._prefill_isolating([one], finished)]
 
-    def _forward(self, base: _Base, adapters: list[str], **inputs: object) -> Any:
-        """One forward of rows that may each use a different adapter (PEFT mixed batches)."""
-        if isinstance(base.model, PeftModel):
-            return base.model(**inputs, adapter_names=adapters)
-        assert all(name == BASE_ADAPTER for name in adapters)
-        return base.model(**inputs)
+    def _forward(self, base: _Base, adapters: list[int], **inputs: object) -> Any:
+        """One forward of rows that may each use a different adapter (their slots, or
+        ``NO_ADAPTER``)."""
+        if base.slots is None:
+            assert all(slot == NO_ADAPTER for slot in adapters)
+            return base.model(**inputs)
+        with base.slots.routed(adapters):
+            return base.model(**inputs)
 
     @torch.inference_mode()
     def _prefill(self, slices: list[tuple[_Request, int]]) -> _Prefill:
@@ -1038,13 +1048,10 @@ def _ask(request: _Request) -> Ask:
     )
 
 
-def _drop_adapter(base: _Base, name: str) -> None:
-    """Delete a PEFT adapter; with the last one gone, the bare model again (PEFT's forward
-    fails once its active adapter is deleted)."""
-    assert isinstance(base.model, PeftModel)
-    base.model.delete_adapter(name)
-    if not base.model.peft_config:
-        base.model = base.model.unload()
+def _drop_adapter(base: _Base, slot: int) -> None:
+    """Free an adapter's slot."""
+    assert base.slots is not None
+    base.slots.unload(slot)
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

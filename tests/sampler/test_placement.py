@@ -51,9 +51,15 @@ def test_base_weights_take_the_placements_dtype_and_adapters_stay_float32(
     for dtype in (torch.float32, torch.bfloat16):
         engine = TorchEngine(models.default_cache_dir(), placement=_placement("cpu", dtype))
         engine.load_adapter(BASE, "adapter/a", tmp_path)
-        model = engine.bases[BASE].model
-        lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
-        base = {p.dtype for n, p in model.named_parameters() if "lora_" not in n}
+        loaded = engine.bases[BASE]
+        assert loaded.slots is not None
+        lora = {
+            tensor.dtype
+            for module in loaded.slots.modules.values()
+            for stack in module.stacks.values()
+            for tensor in (stack.A, stack.B)
+        }
+        base = {p.dtype for p in loaded.model.parameters()}
         assert (lora, base) == ({torch.float32}, {dtype})
         engine.add(0, _commands("adapter/a")[0])
         engine.step()

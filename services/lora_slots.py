@@ -1,0 +1,442 @@
+"""One LoRA layer for the trainer and the sampler: every adapter of a base model in a slot of
+stacked tensors, and each row of a forward routed to its own adapter, or to none.
+
+PEFT adds modules per adapter and, for a batch whose rows use different adapters, walks every
+adapter it holds in every layer: a step's cost grows with the adapters loaded, and loading one
+is module surgery (measured: a one-row SmolLM2 sampling step from 97 to 150 ms as adapters went
+from 1 to 32, ``load_adapter`` from 0.28 to 1.28 s). Here the base model's target ``nn.Linear``
+modules are wrapped once, when the base is loaded (``install``), by a ``SlotLinear`` that holds,
+per module and per rank class (8, 16, 32 ... up to ``max_rank``: an adapter goes into the
+smallest at least its rank), ``A`` stacked as ``[n, class, in]`` and ``B`` as ``[n, out,
+class]``, in float32 whatever the base's dtype. Loading an adapter copies its tensors into a free
+place of its class's stacks (zeros past its rank: the padding adds nothing), growing them by
+doubling when none is free; unloading frees the place. No module is added or removed after
+``install``.
+
+A forward runs inside ``Slots.routed(row_slots)``: row ``i`` of the batch uses slot
+``row_slots[i]``, or no adapter for ``NO_ADAPTER``. Each wrapped module computes the base output,
+then, for the rows that have an adapter on this module only, gathers them in slot order and
+computes ``(x @ A[s]^T) @ B[s]^T * scale[s]`` for every slot of a rank class in one call:
+torch's grouped matmul (``torch._grouped_mm``, with the rows' offsets per slot) where it runs
+float32, else a plain matmul per slot. A base-model row costs nothing more than the base; a
+step's cost follows the rows and the distinct adapters and rank classes in the batch, not the
+adapters loaded. The arithmetic is PEFT's: the input cast to float32, the delta added to the
+base output, the sum cast back to the base's dtype.
+
+With ``Slots.trainable``, gradients flow to the stacks (leaf tensors), so several runs can be
+trained in one pass, each run's gradient being its own slot's slice (``SlotLinear.grads``),
+computed from its own rows only.
+
+Adapters on disk stay PEFT's (``adapter_config.json`` + ``adapter_model.safetensors``):
+``read_adapter`` reads one (refusing what the layer does not compute: DoRA, per-module ranks),
+``peft_weights`` maps a PEFT state dict to the modules here, ``to_peft`` maps back.
+
+Owns: the slot layer, routing, and PEFT's adapter format. Does not own: which modules a run
+targets (tinsmith/lora.py), or the device and its memory (the engines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from tinsmith import artifacts
+
+NO_ADAPTER = -1
+# The ranks the stacks come in: an adapter goes into the smallest at least its rank, so that a
+# rank-8 adapter does not take a rank-128 one's memory (an adapter of rank 5 pads to 8).
+SMALLEST_CLASS = 8
+# PEFT's state-dict keys: "base_model.model.<module path>.lora_A.weight" (and lora_B).
+_PEFT_PREFIX = "base_model.model."
+_PEFT_SUFFIXES = {"A": ".lora_A.weight", "B": ".lora_B.weight"}
+
+
+def rank_class(rank: int) -> int:
+    """The stack an adapter of ``rank`` goes into: the smallest power of two at least ``rank``,
+    and at least ``SMALLEST_CLASS``."""
+    return max(SMALLEST_CLASS, 1 << (rank - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _Route:
+    """A forward's rows grouped by slot: for each slot used (ascending), the rows that use it."""
+
+    slots: tuple[int, ...]
+    rows: tuple[Tensor, ...]  # int64 row indices on the device, one tensor per slot
+
+
+@dataclass
+class Slots:
+    """The adapter slots of one base model, shared by its wrapped modules. A slot is a handle:
+    its adapter lives at an index of the stack of its rank class in every module."""
+
+    max_rank: int
+    device: torch.device
+    modules: dict[str, SlotLinear] = field(default_factory=dict)  # by module path
+    ranks: dict[int, int] = field(default_factory=dict)  # occupied slot -> its adapter's rank
+    where: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (class, index)
+    capacity: dict[int, int] = field(default_factory=dict)  # rank class -> stack length
+    training: bool = False  # whether the stacks take gradients
+    route: _Route | None = None  # the forward being run
+    _next: int = 0  # the next slot handle
+
+    def nbytes(self) -> int:
+        """The stacks' bytes: what the slots take on the device, used or not."""
+        return sum(m.nbytes() for m in self.modules.values())
+
+    def load(self, weights: Mapping[str, tuple[Tensor, Tensor]], rank: int, scale: float) -> int:
+        """Copy an adapter into a free place of its rank class's stacks (growing them if none is
+        free) and return its slot. ``weights``: for each module path it targets, its
+        ``(A [rank, in], B [out, rank])``; the modules it does not name get no delta from it."""
+        if not 0 < rank <= self.max_rank:
+            raise ValueError(f"rank {rank} is outside 1..{self.max_rank}, the slots' maximum")
+        unknown = sorted(set(weights) - set(self.modules))
+        if unknown:
+            raise ValueError(f"the adapter names modules the base has no slot for: {unknown[:3]}")
+        klass = rank_class(rank)
+        taken = {index for c, index in self.where.values() if c == klass}
+        size = self.capacity.get(klass, 0)
+        index = next((i for i in range(size) if i not in taken), size)
+        if index == size:
+            self._grow(klass, max(1, 2 * size))
+        slot, self._next = self._next, self._next + 1
+        with torch.no_grad():
+            for path, module in self.modules.items():
+                module.put(slot, klass, index, weights.get(path), rank, scale)
+        self.ranks[slot] = rank
+        self.where[slot] = (klass, index)
+        return slot
+
+    def bytes_of(self, weights: Mapping[str, tuple[Tensor, Tensor]], rank: int) -> int:
+        """What an adapter takes in the stacks: its modules' places at its rank class."""
+        klass = rank_class(rank)
+        total = 0
+        for path in weights:
+            base = self.modules[path].base
+            total += 4 * (klass * (base.in_features + base.out_features) + 1)
+        return total
+
+    def reserve(self, rank: int, count: int) -> None:
+        """Make the stacks of ``rank``'s class hold ``count`` adapters, so that loading one
+        of them copies nothing else."""
+        klass = rank_class(rank)
+        if self.capacity.get(klass, 0) < count:
+            self._grow(klass, count)
+
+    def shrink(self, slack: float = 1.0) -> int:
+        """Give back the stacks' free places: a rank class whose stacks are more than ``slack``
+        times as long as its adapters need is packed into stacks just long enough (its adapters
+        move to the first places; their slots stay). Returns the bytes given back."""
+        before = self.nbytes()
+        for klass, length in list(self.capacity.items()):
+            owners = sorted((index, slot) for slot, (c, index) in self.where.items() if c == klass)
+            if length <= slack * len(owners):
+                continue
+            order = [index for index, _ in owners]
+            for module in self.modules.values():
+                module.pack(klass, order)
+            for new_index, (_, slot) in enumerate(owners):
+                self.where[slot] = (klass, new_index)
+            self.capacity[klass] = len(owners)
+            if not owners:
+                del self.capacity[klass]
+        return before - self.nbytes()
+
+    def _grow(self, klass: int, length: int) -> None:
+        for module in self.modules.values():
+            module.resize(klass, length)
+        self.capacity[klass] = length
+
+    def unload(self, slot: int) -> None:
+        """Free a slot (its place is overwritten by the next adapter loaded there)."""
+        if self.ranks.pop(slot, None) is None:
+            return
+        del self.where[slot]
+        for module in self.modules.values():
+            module.present.discard(slot)
+
+    def weights(self, slot: int) -> dict[str, tuple[Tensor, Tensor]]:
+        """A slot's adapter as ``{module path: (A [rank, in], B [out, rank])}`` (copies)."""
+        rank = self.ranks[slot]
+        found = {}
+        for path, module in self.modules.items():
+            a, b = module.slices(slot)
+            if a is not None and b is not None:
+                found[path] = (a[:rank].detach().clone(), b[:, :rank].detach().clone())
+        return found
+
+    def trainable(self, on: bool = True) -> None:
+        """Whether the stacks take gradients (a run's gradient is its slot's slices of them)."""
+        self.training = on
+        for module in self.modules.values():
+            for stack in module.stacks.values():
+                stack.A.requires_grad_(on)
+                stack.B.requires_grad_(on)
+
+    @contextlib.contextmanager
+    def routed(self, row_slots: Sequence[int]) -> Iterator[None]:
+        """Run the forwards inside with row ``i`` using slot ``row_slots[i]`` (``NO_ADAPTER``:
+        none)."""
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot != NO_ADAPTER:
+                if slot not in self.ranks:
+                    raise ValueError(f"row {row} is routed to slot {slot}, which holds no adapter")
+                by_slot.setdefault(slot, []).append(row)
+        used = tuple(sorted(by_slot))
+        self.route = _Route(
+            used,
+            tuple(torch.tensor(by_slot[s], dtype=torch.int64, device=self.device) for s in used),
+        )
+        try:
+            yield
+        finally:
+            self.route = None
+
+
+@dataclass
+class _Stack:
+    """One rank class's adapters on one module: ``A`` [n, rank, in], ``B`` [n, out, rank]."""
+
+    A: Tensor
+    B: Tensor
+    scale: Tensor  # [n]
+
+
+class SlotLinear(nn.Module):
+    """A frozen ``nn.Linear`` plus the LoRA delta of each row's adapter (see the module doc)."""
+
+    def __init__(self, base: nn.Linear, slots: Slots) -> None:
+        super().__init__()
+        self.base = base
+        self.slots = slots
+        # Leaf tensors, not nn.Parameters: a run's optimizer works on its own slot's slices.
+        self.stacks: dict[int, _Stack] = {}
+        self.present: set[int] = set()  # the slots whose adapter targets this module
+
+    def nbytes(self) -> int:
+        return sum(s.A.nbytes + s.B.nbytes + s.scale.nbytes for s in self.stacks.values())
+
+    def resize(self, klass: int, length: int) -> None:
+        weight = self.base.weight
+        old = self.stacks.get(klass)
+        new = _Stack(
+            A=torch.zeros(length, klass, self.base.in_features, device=weight.device),
+            B=torch.zeros(length, self.base.out_features, klass, device=weight.device),
+            scale=torch.zeros(length, device=weight.device),
+        )
+        if old is not None:
+            kept = old.A.shape[0]
+            with torch.no_grad():
+                new.A[:kept], new.B[:kept], new.scale[:kept] = old.A, old.B, old.scale
+        new.A.requires_grad_(self.slots.training)
+        new.B.requires_grad_(self.slots.training)
+        self.stacks[klass] = new
+
+    def pack(self, klass: int, order: list[int]) -> None:
+        """Keep only the places ``order`` of a rank class's stacks, in that order."""
+        stack = self.stacks[klass]
+        if not order:
+            del self.stacks[klass]
+            return
+        kept = torch.tensor(order, dtype=torch.int64, device=stack.A.device)
+        with torch.no_grad():
+            packed = _Stack(
+                A=stack.A.index_select(0, kept).requires_grad_(self.slots.training),
+                B=stack.B.index_select(0, kept).requires_grad_(self.slots.training),
+                scale=stack.scale.index_select(0, kept),
+            )
+        self.stacks[klass] = packed
+
+    def put(
+        self,
+        slot: int,
+        klass: int,
+        index: int,
+        pair: tuple[Tensor, Tensor] | None,
+        rank: int,
+        scale: float,
+    ) -> None:
+        stack = self.stacks[klass]
+        stack.A[index].zero_()
+        stack.B[index].zero_()
+        stack.scale[index] = scale if pair is not None else 0.0
+        if pair is None:
+            self.present.discard(slot)
+            return
+        a, b = pair
+        stack.A[index, :rank] = a.to(stack.A.device, torch.float32)
+        stack.B[index, :, :rank] = b.to(stack.B.device, torch.float32)
+        self.present.add(slot)
+
+    def slices(self, slot: int) -> tuple[Tensor | None, Tensor | None]:
+        """The slot's ``A`` [class, in] and ``B`` [out, class] on this module (views of the
+        stacks); None where it does not target it."""
+        if slot not in self.present:
+            return None, None
+        klass, index = self.slots.where[slot]
+        stack = self.stacks[klass]
+        return stack.A[index], stack.B[index]
+
+    def grads(self, slot: int) -> tuple[Tensor | None, Tensor | None]:
+        """The gradients of the slot's ``A`` and ``B`` after a backward (None if none)."""
+        if slot not in self.present:
+            return None, None
+        klass, index = self.slots.where[slot]
+        a, b = self.stacks[klass].A.grad, self.stacks[klass].B.grad
+        return (a[index] if a is not None else None, b[index] if b is not None else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.base(x)
+        route = self.slots.route
+        if route is None:
+            return out
+        by_class: dict[int, list[tuple[int, Tensor]]] = {}
+        for slot, rows in zip(route.slots, route.rows, strict=True):
+            if slot in self.present:
+                klass, index = self.slots.where[slot]
+                by_class.setdefault(klass, []).append((index, rows))
+        if not by_class:
+            return out
+        all_rows, deltas = [], []
+        for klass, groups in sorted(by_class.items()):
+            rows = torch.cat([r for _, r in groups]) if len(groups) > 1 else groups[0][1]
+            picked = x.index_select(0, rows)  # [n, ..., in]: this class's rows with an adapter
+            flat = picked.reshape(-1, picked.shape[-1]).to(torch.float32)
+            per_row = flat.shape[0] // rows.numel()  # tokens per row
+            counts = [r.numel() * per_row for _, r in groups]
+            stack = self.stacks[klass]
+            used = torch.tensor([i for i, _ in groups], dtype=torch.int64, device=x.device)
+            delta = _segment_lora(
+                flat, stack.A.index_select(0, used), stack.B.index_select(0, used), counts
+            )
+            scale = torch.repeat_interleave(
+                stack.scale.index_select(0, used), torch.tensor(counts, device=x.device)
+            )
+            deltas.append((delta * scale.unsqueeze(1)).view(*picked.shape[:-1], delta.shape[-1]))
+            all_rows.append(rows)
+        rows = torch.cat(all_rows) if len(all_rows) > 1 else all_rows[0]
+        delta = torch.cat(deltas) if len(deltas) > 1 else deltas[0]
+        merged = out.index_select(0, rows).to(torch.float32) + delta
+        return out.index_copy(0, rows, merged.to(out.dtype))
+
+
+def _segment_lora(x: Tensor, a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
+    """``x`` [N, in] in consecutive segments of ``counts`` rows, segment ``g`` times
+    ``a[g]^T`` [in, r] then ``b[g]^T`` [r, out]: [N, out]."""
+    if len(counts) == 1:
+        return (x @ a[0].T) @ b[0].T
+    if _grouped_mm_works(x.device):
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        hidden = torch._grouped_mm(x, a.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(hidden, b.transpose(1, 2), offs=offsets)
+    parts = torch.split(x, counts)
+    return torch.cat([(part @ a[g].T) @ b[g].T for g, part in enumerate(parts)])
+
+
+_GROUPED: dict[str, bool] = {}
+
+
+def _grouped_mm_works(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs float32 on this kind of device (tried once, and
+    checked against plain matmuls): where it does not, a plain matmul per segment."""
+    kind = device.type
+    if kind not in _GROUPED:
+        try:
+            x = torch.arange(12.0, device=device).reshape(4, 3)
+            w = torch.arange(18.0, device=device).reshape(2, 3, 3)
+            offsets = torch.tensor([1, 4], device=device, dtype=torch.int32)
+            got = torch._grouped_mm(x, w, offs=offsets)
+            want = torch.cat([x[:1] @ w[0], x[1:] @ w[1]])
+            _GROUPED[kind] = bool(torch.equal(got, want))
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _GROUPED[kind] = False
+    return _GROUPED[kind]
+
+
+def install(model: nn.Module, names: Iterable[str], max_rank: int) -> Slots:
+    """Wrap every ``nn.Linear`` of ``model`` whose own name is in ``names`` (``q_proj``,
+    ``lm_head``...) in a ``SlotLinear``, once, and return their slots (empty: the stacks of a
+    rank class are made with its first adapter)."""
+    wanted = set(names)
+    device = next(model.parameters()).device
+    slots = Slots(max_rank=max_rank, device=device)
+    targets = [
+        (path, module)
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and path.rsplit(".", 1)[-1] in wanted
+    ]
+    for path, module in targets:
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        wrapped = SlotLinear(module, slots)
+        setattr(parent, child, wrapped)
+        slots.modules[path] = wrapped
+    return slots
+
+
+def peft_weights(state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """A PEFT adapter's state dict as ``{module path: (A, B)}``."""
+    found: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in state.items():
+        for part, suffix in _PEFT_SUFFIXES.items():
+            if key.startswith(_PEFT_PREFIX) and key.endswith(suffix):
+                path = key[len(_PEFT_PREFIX) : -len(suffix)]
+                found.setdefault(path, {})[part] = tensor
+    incomplete = sorted(path for path, parts in found.items() if len(parts) != 2)
+    if incomplete:
+        raise ValueError(f"the adapter lacks lora_A or lora_B for {incomplete[:3]}")
+    return {path: (parts["A"], parts["B"]) for path, parts in found.items()}
+
+
+def to_peft(weights: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    """``{module path: (A, B)}`` as a PEFT state dict."""
+    state = {}
+    for path, (a, b) in weights.items():
+        state[_PEFT_PREFIX + path + _PEFT_SUFFIXES["A"]] = a
+        state[_PEFT_PREFIX + path + _PEFT_SUFFIXES["B"]] = b
+    return state
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT adapter as the slots take it."""
+
+    weights: dict[str, tuple[Tensor, Tensor]]  # module path -> (A [rank, in], B [out, rank])
+    rank: int
+    scale: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def read_adapter(directory: Path, device: torch.device | str = "cpu") -> Adapter:
+    """The PEFT adapter saved in ``directory`` (``adapter_config.json`` and
+    ``adapter_model.safetensors``); ValueError for what the layer does not compute."""
+    config = json.loads((directory / artifacts.ADAPTER_CONFIG).read_text())
+    unsupported = [
+        name
+        for name, present in (
+            ("DoRA (use_dora)", config.get("use_dora")),
+            ("per-module ranks (rank_pattern)", config.get("rank_pattern")),
+            ("per-module alphas (alpha_pattern)", config.get("alpha_pattern")),
+            ("fan_in_fan_out", config.get("fan_in_fan_out")),
+        )
+        if present
+    ]
+    if unsupported:
+        raise ValueError(f"the adapter uses what tinsmith's LoRA layer does not: {unsupported}")
+    rank = int(config["r"])
+    alpha = float(config.get("lora_alpha", rank))
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    state = load_file(str(directory / artifacts.ADAPTER_WEIGHTS), device=str(device))
+    return Adapter(peft_weights(state), rank, scale)
