@@ -23,9 +23,12 @@ step's cost follows the rows and the distinct adapters and rank classes in the b
 adapters loaded. The arithmetic is PEFT's: the input cast to float32, the delta added to the
 base output, the sum cast back to the base's dtype.
 
-With ``Slots.trainable``, gradients flow to the stacks (leaf tensors), so several runs can be
-trained in one pass, each run's gradient being its own slot's slice (``SlotLinear.grads``),
-computed from its own rows only.
+For training, ``Slots.bind`` gives a slot's adapter as float32 ``nn.Parameter``s of its own rank
+that alias its places in the stacks (re-pointed when the stacks grow or are packed): an
+optimizer's step on them is what the next forward computes with, and a forward with gradients
+enabled builds each class's stack from the bound parameters (zero-padded to the class), so that
+backward gives every bound slot the gradient of its own rows only. Several runs are trained in
+one pass that way, each with its own optimizer.
 
 Adapters on disk stay PEFT's (``adapter_config.json`` + ``adapter_model.safetensors``):
 ``read_adapter`` reads one (refusing what the layer does not compute: DoRA, per-module ranks),
@@ -38,6 +41,7 @@ targets (tinsmith/lora.py), or the device and its memory (the engines).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -71,6 +75,11 @@ class _Route:
 
     slots: tuple[int, ...]
     rows: tuple[Tensor, ...]  # int64 row indices on the device, one tensor per slot
+    total: int  # the rows of the forward, with and without an adapter
+    # Each slot's rows as one range (start, end), where every slot's rows are consecutive (a
+    # trainer's pass: each run's datums together): a module then takes them as views of its
+    # input instead of gathering them. None otherwise.
+    spans: tuple[tuple[int, int], ...] | None
 
 
 @dataclass
@@ -84,7 +93,8 @@ class Slots:
     ranks: dict[int, int] = field(default_factory=dict)  # occupied slot -> its adapter's rank
     where: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (class, index)
     capacity: dict[int, int] = field(default_factory=dict)  # rank class -> stack length
-    training: bool = False  # whether the stacks take gradients
+    # Trainable slots: module path -> (A [rank, in], B [out, rank]) aliasing the stacks.
+    bound: dict[int, dict[str, tuple[nn.Parameter, nn.Parameter]]] = field(default_factory=dict)
     route: _Route | None = None  # the forward being run
     _next: int = 0  # the next slot handle
 
@@ -124,6 +134,18 @@ class Slots:
             total += 4 * (klass * (base.in_features + base.out_features) + 1)
         return total
 
+    def growth_bytes(self, rank: int) -> int:
+        """What the stacks grow by to take one more adapter of ``rank`` (0 with a free place)."""
+        klass = rank_class(rank)
+        size = self.capacity.get(klass, 0)
+        if sum(1 for c, _ in self.where.values() if c == klass) < size:
+            return 0
+        place = sum(
+            4 * (klass * (m.base.in_features + m.base.out_features) + 1)
+            for m in self.modules.values()
+        )
+        return place * (max(1, 2 * size) - size)
+
     def reserve(self, rank: int, count: int) -> None:
         """Make the stacks of ``rank``'s class hold ``count`` adapters, so that loading one
         of them copies nothing else."""
@@ -148,18 +170,33 @@ class Slots:
             self.capacity[klass] = len(owners)
             if not owners:
                 del self.capacity[klass]
+            self._rebind(klass)
         return before - self.nbytes()
 
     def _grow(self, klass: int, length: int) -> None:
         for module in self.modules.values():
             module.resize(klass, length)
         self.capacity[klass] = length
+        self._rebind(klass)
+
+    def _rebind(self, klass: int) -> None:
+        """Point the bound parameters of ``klass``'s slots at their places in its new stacks
+        (the same Parameter objects: an optimizer keeps its state for them)."""
+        for slot, params in self.bound.items():
+            if self.where[slot][0] != klass:
+                continue
+            rank = self.ranks[slot]
+            for path, (a, b) in params.items():
+                stack_a, stack_b = self.modules[path].slices(slot)
+                assert stack_a is not None and stack_b is not None
+                a.data, b.data = stack_a[:rank], stack_b[:, :rank]
 
     def unload(self, slot: int) -> None:
         """Free a slot (its place is overwritten by the next adapter loaded there)."""
         if self.ranks.pop(slot, None) is None:
             return
         del self.where[slot]
+        self.bound.pop(slot, None)
         for module in self.modules.values():
             module.present.discard(slot)
 
@@ -173,33 +210,49 @@ class Slots:
                 found[path] = (a[:rank].detach().clone(), b[:, :rank].detach().clone())
         return found
 
-    def trainable(self, on: bool = True) -> None:
-        """Whether the stacks take gradients (a run's gradient is its slot's slices of them)."""
-        self.training = on
-        for module in self.modules.values():
-            for stack in module.stacks.values():
-                stack.A.requires_grad_(on)
-                stack.B.requires_grad_(on)
+    def bind(self, slot: int) -> dict[str, tuple[nn.Parameter, nn.Parameter]]:
+        """The slot's adapter as trainable float32 parameters, ``{module path: (A [rank, in],
+        B [out, rank])}``, that alias its places in the stacks: what is done to them (an
+        optimizer's step, a checkpoint copied in) the forwards compute with, and a forward with
+        gradients enabled gives them the gradient of the slot's own rows. The same objects for
+        as long as the slot holds its adapter."""
+        params = self.bound.get(slot)
+        if params is None:
+            rank = self.ranks[slot]
+            params = {}
+            for path, module in self.modules.items():
+                a, b = module.slices(slot)
+                if a is not None and b is not None:
+                    params[path] = (
+                        nn.Parameter(a[:rank].detach()),
+                        nn.Parameter(b[:, :rank].detach()),
+                    )
+            self.bound[slot] = params
+        return params
 
     @contextlib.contextmanager
-    def routed(self, row_slots: Sequence[int]) -> Iterator[None]:
-        """Run the forwards inside with row ``i`` using slot ``row_slots[i]`` (``NO_ADAPTER``:
-        none)."""
-        by_slot: dict[int, list[int]] = {}
-        for row, slot in enumerate(row_slots):
-            if slot != NO_ADAPTER:
-                if slot not in self.ranks:
-                    raise ValueError(f"row {row} is routed to slot {slot}, which holds no adapter")
-                by_slot.setdefault(slot, []).append(row)
-        used = tuple(sorted(by_slot))
-        self.route = _Route(
-            used,
-            tuple(torch.tensor(by_slot[s], dtype=torch.int64, device=self.device) for s in used),
+    def routed(self, row_slots: Sequence[int] | Tensor) -> Iterator[None]:
+        """Run the forwards inside with row ``i`` (of the first dimension of each module's
+        input: a sequence, or a position of flattened ones) using slot ``row_slots[i]``
+        (``NO_ADAPTER``: none). Routes nest: the one outside is back after the block."""
+        slots = torch.as_tensor(row_slots, dtype=torch.int64, device="cpu")
+        used = tuple(s for s in torch.unique(slots).tolist() if s != NO_ADAPTER)
+        for slot in used:
+            if slot not in self.ranks:
+                row = int((slots == slot).nonzero()[0])
+                raise ValueError(f"row {row} is routed to slot {slot}, which holds no adapter")
+        found = [(slots == s).nonzero().flatten() for s in used]
+        spans = tuple((int(r[0]), int(r[-1]) + 1) for r in found)
+        consecutive = all(
+            end - start == len(r) for (start, end), r in zip(spans, found, strict=True)
         )
+        rows = tuple(r.to(self.device) for r in found)
+        route = _Route(used, rows, len(slots), spans if consecutive else None)
+        outer, self.route = self.route, route
         try:
             yield
         finally:
-            self.route = None
+            self.route = outer
 
 
 @dataclass
@@ -214,11 +267,12 @@ class _Stack:
 class SlotLinear(nn.Module):
     """A frozen ``nn.Linear`` plus the LoRA delta of each row's adapter (see the module doc)."""
 
-    def __init__(self, base: nn.Linear, slots: Slots) -> None:
+    def __init__(self, base: nn.Linear, slots: Slots, path: str) -> None:
         super().__init__()
         self.base = base
         self.slots = slots
-        # Leaf tensors, not nn.Parameters: a run's optimizer works on its own slot's slices.
+        self.path = path  # in the model: the key of this module's parameters in ``Slots.bound``
+        # Plain tensors, not nn.Parameters: a trained slot's parameters alias its places.
         self.stacks: dict[int, _Stack] = {}
         self.present: set[int] = set()  # the slots whose adapter targets this module
 
@@ -237,8 +291,6 @@ class SlotLinear(nn.Module):
             kept = old.A.shape[0]
             with torch.no_grad():
                 new.A[:kept], new.B[:kept], new.scale[:kept] = old.A, old.B, old.scale
-        new.A.requires_grad_(self.slots.training)
-        new.B.requires_grad_(self.slots.training)
         self.stacks[klass] = new
 
     def pack(self, klass: int, order: list[int]) -> None:
@@ -250,8 +302,8 @@ class SlotLinear(nn.Module):
         kept = torch.tensor(order, dtype=torch.int64, device=stack.A.device)
         with torch.no_grad():
             packed = _Stack(
-                A=stack.A.index_select(0, kept).requires_grad_(self.slots.training),
-                B=stack.B.index_select(0, kept).requires_grad_(self.slots.training),
+                A=stack.A.index_select(0, kept),
+                B=stack.B.index_select(0, kept),
                 scale=stack.scale.index_select(0, kept),
             )
         self.stacks[klass] = packed
@@ -286,47 +338,111 @@ class SlotLinear(nn.Module):
         stack = self.stacks[klass]
         return stack.A[index], stack.B[index]
 
-    def grads(self, slot: int) -> tuple[Tensor | None, Tensor | None]:
-        """The gradients of the slot's ``A`` and ``B`` after a backward (None if none)."""
-        if slot not in self.present:
-            return None, None
-        klass, index = self.slots.where[slot]
-        a, b = self.stacks[klass].A.grad, self.stacks[klass].B.grad
-        return (a[index] if a is not None else None, b[index] if b is not None else None)
+    def _pairs(self, klass: int, groups: Sequence[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        """The ``A`` [g, class, in] and ``B`` [g, out, class] times its scale of the
+        ``(slot, index)`` of ``groups`` (one rank class): picked from the stacks, or, with
+        gradients enabled and a bound slot among them, stacked from the bound parameters (padded
+        with zeros to the class), so that the backward reaches them. The scale goes on ``B``,
+        a small tensor, rather than on every row's delta."""
+        stack = self.stacks[klass]
+        used = torch.tensor([i for _, i in groups], dtype=torch.int64, device=stack.A.device)
+        scale = stack.scale.index_select(0, used)[:, None, None]
+        bound = self.slots.bound
+        if not (torch.is_grad_enabled() and any(slot in bound for slot, _ in groups)):
+            return stack.A.index_select(0, used), stack.B.index_select(0, used) * scale
+        a_parts, b_parts = [], []
+        for slot, index in groups:
+            params = bound.get(slot)
+            if params is None:
+                a_parts.append(stack.A[index])
+                b_parts.append(stack.B[index])
+                continue
+            a, b = params[self.path]
+            pad = klass - a.shape[0]
+            a_parts.append(nn.functional.pad(a, (0, 0, 0, pad)) if pad else a)
+            b_parts.append(nn.functional.pad(b, (0, pad)) if pad else b)
+        return torch.stack(a_parts), torch.stack(b_parts) * scale
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.base(x)
         route = self.slots.route
         if route is None:
             return out
-        by_class: dict[int, list[tuple[int, Tensor]]] = {}
+        if route.spans is not None:
+            return self._by_spans(x, out, route.total, route.slots, route.spans)
+        by_class: dict[int, list[tuple[int, int, Tensor]]] = {}
         for slot, rows in zip(route.slots, route.rows, strict=True):
             if slot in self.present:
                 klass, index = self.slots.where[slot]
-                by_class.setdefault(klass, []).append((index, rows))
+                by_class.setdefault(klass, []).append((slot, index, rows))
         if not by_class:
             return out
         all_rows, deltas = [], []
         for klass, groups in sorted(by_class.items()):
-            rows = torch.cat([r for _, r in groups]) if len(groups) > 1 else groups[0][1]
+            rows = torch.cat([r for _, _, r in groups]) if len(groups) > 1 else groups[0][2]
             picked = x.index_select(0, rows)  # [n, ..., in]: this class's rows with an adapter
             flat = picked.reshape(-1, picked.shape[-1]).to(torch.float32)
             per_row = flat.shape[0] // rows.numel()  # tokens per row
-            counts = [r.numel() * per_row for _, r in groups]
-            stack = self.stacks[klass]
-            used = torch.tensor([i for i, _ in groups], dtype=torch.int64, device=x.device)
-            delta = _segment_lora(
-                flat, stack.A.index_select(0, used), stack.B.index_select(0, used), counts
-            )
-            scale = torch.repeat_interleave(
-                stack.scale.index_select(0, used), torch.tensor(counts, device=x.device)
-            )
-            deltas.append((delta * scale.unsqueeze(1)).view(*picked.shape[:-1], delta.shape[-1]))
+            counts = [r.numel() * per_row for _, _, r in groups]
+            a, b = self._pairs(klass, [(slot, index) for slot, index, _ in groups])
+            delta = _segment_lora(flat, a, b, counts)
+            deltas.append(delta.view(*picked.shape[:-1], delta.shape[-1]))
             all_rows.append(rows)
         rows = torch.cat(all_rows) if len(all_rows) > 1 else all_rows[0]
         delta = torch.cat(deltas) if len(deltas) > 1 else deltas[0]
         merged = out.index_select(0, rows).to(torch.float32) + delta
         return out.index_copy(0, rows, merged.to(out.dtype))
+
+    def _by_spans(
+        self,
+        x: Tensor,
+        out: Tensor,
+        total: int,
+        slots: Sequence[int],
+        spans: Sequence[tuple[int, int]],
+    ) -> Tensor:
+        """The forward of a route whose slots each have one range of rows: each rank class's
+        rows taken as a view of ``x`` where its ranges are adjacent, and one delta for every
+        row (zeros where no adapter applies) added to the base output at once."""
+        by_class: dict[int, list[tuple[int, int, int, int]]] = {}
+        for slot, (start, end) in zip(slots, spans, strict=True):
+            if slot in self.present:
+                klass, index = self.slots.where[slot]
+                by_class.setdefault(klass, []).append((start, end, slot, index))
+        if not by_class:
+            return out
+        pieces: list[tuple[int, int, Tensor]] = []
+        for klass, groups in by_class.items():
+            groups.sort()
+            adjacent = all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+            if adjacent:
+                picked = x[groups[0][0] : groups[-1][1]]
+            else:
+                picked = torch.cat([x[start:end] for start, end, _, _ in groups])
+            flat = picked.reshape(-1, picked.shape[-1]).to(torch.float32)
+            per_row = flat.shape[0] // picked.shape[0]  # tokens per row
+            counts = [(end - start) * per_row for start, end, _, _ in groups]
+            a, b = self._pairs(klass, [(slot, index) for _, _, slot, index in groups])
+            delta = _segment_lora(flat, a, b, counts).view(*picked.shape[:-1], -1)
+            if adjacent:
+                pieces.append((groups[0][0], groups[-1][1], delta))
+                continue
+            offset = 0
+            for start, end, _, _ in groups:
+                pieces.append((start, end, delta[offset : offset + end - start]))
+                offset += end - start
+        pieces.sort(key=lambda piece: piece[0])
+        parts: list[Tensor] = []
+        at = 0
+        for start, end, piece in pieces:
+            if start > at:  # rows no adapter applies to on this module
+                parts.append(out.new_zeros((start - at, *out.shape[1:]), dtype=torch.float32))
+            parts.append(piece)
+            at = end
+        if at < total:
+            parts.append(out.new_zeros((total - at, *out.shape[1:]), dtype=torch.float32))
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return (out.to(torch.float32) + whole).to(out.dtype)
 
 
 def _segment_lora(x: Tensor, a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
@@ -377,7 +493,7 @@ def install(model: nn.Module, names: Iterable[str], max_rank: int) -> Slots:
     for path, module in targets:
         parent_path, _, child = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        wrapped = SlotLinear(module, slots)
+        wrapped = SlotLinear(module, slots, path)
         setattr(parent, child, wrapped)
         slots.modules[path] = wrapped
     return slots

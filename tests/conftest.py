@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import os
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 
 from tinsmith import subjects
@@ -68,7 +70,16 @@ async def eventlog(nats_url: str) -> AsyncIterator[EventLog]:
     for stream in (subjects.EVENTS_STREAM, subjects.RESULTS_STREAM):
         with contextlib.suppress(Exception):
             await connection.js.delete_stream(stream)
-    await connection.ensure_streams(results_max_age_s=60)
+    # nats-server removes a deleted stream's store after it answered, and now and then refuses
+    # a stream of the same name made at once ("error creating store for stream"): again.
+    for attempt in range(20):
+        try:
+            await connection.ensure_streams(results_max_age_s=60)
+            break
+        except nats.js.errors.ServerError:
+            if attempt == 19:
+                raise
+            await asyncio.sleep(0.05)
     yield EventLog(connection)
     await connection.close()
 

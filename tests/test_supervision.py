@@ -69,10 +69,12 @@ def test_a_child_that_keeps_dying_is_restarted_ever_later(tmp_path: Path) -> Non
     for gap, delay in zip(gaps, delays, strict=False):
         assert gap >= delay, (gaps, delays)
     assert len(times) <= 8  # 4.5 s at 0.2, 0.4, 0.8, 0.8, ...: never spun
-    # The child's log marks each restart. The stop may come before the last restart's process
-    # wrote its start, so the starts are one more than the restarts, or as many.
-    assert (tmp_path / "flaky.log").read_text().count("--- tinsmith up: restart") == len(lines)
-    assert len(times) - len(lines) in (0, 1), (times, out.getvalue())
+    # The child's log marks each restart. The stop may come while the last death's restart
+    # waits out its delay (a death announced, not restarted), and before the last restart's
+    # process wrote its start (so the starts are one more than the restarts, or as many).
+    restarts = (tmp_path / "flaky.log").read_text().count("--- tinsmith up: restart")
+    assert len(lines) - restarts in (0, 1), out.getvalue()
+    assert len(times) - restarts in (0, 1), (times, out.getvalue())
 
 
 def test_a_child_that_stayed_up_starts_its_backoff_over(tmp_path: Path) -> None:

@@ -29,6 +29,13 @@ class TrainerConfig:
     # Optimizer steps between background snapshots of a run (and one at every save_state): what
     # a rebuild after a crash re-executes is bounded by it. 0: only at save_state and unload.
     snapshot_every: int = 20
+    # The most tokens of one fused pass: forward_backward requests of several runs on one base
+    # model that are ready together run as one pass up to this many tokens (fusion.py). 0: each
+    # request runs alone.
+    fuse_tokens: int = 2048
+    # The most tokens of a request that is fused with others: a larger one runs alone, as
+    # fusing stops paying past about this size on the CPU (bench/fused_training.py).
+    fuse_request_tokens: int = 128
 
     @classmethod
     def from_env(cls) -> TrainerConfig:
@@ -40,4 +47,8 @@ class TrainerConfig:
             replica=os.environ.get("TINSMITH_REPLICA", cls.replica),
             lease_s=float(os.environ.get("TINSMITH_TRAINER_LEASE_S", cls.lease_s)),
             snapshot_every=int(os.environ.get("TINSMITH_SNAPSHOT_EVERY", cls.snapshot_every)),
+            fuse_tokens=int(os.environ.get("TINSMITH_TRAINER_FUSE_TOKENS", cls.fuse_tokens)),
+            fuse_request_tokens=int(
+                os.environ.get("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS", cls.fuse_request_tokens)
+            ),
         )

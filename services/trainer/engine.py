@@ -1,5 +1,6 @@
 """The trainer's torch engine: one frozen base model per base-model name, and per run its own
-LoRA adapter (a named PEFT adapter on that base) and its own AdamW optimizer.
+LoRA adapter (a slot of the base's LoRA layer, services/lora_slots.py) and its own AdamW
+optimizer.
 
 Owns: every torch call of the trainer; it runs on the process's one compute thread. Does not own:
 ordering, the bus or storage (handlers.py). Losses are per-token sums, as the Tinker docs define
@@ -7,11 +8,18 @@ them, never means.
 
 Device and precision (services/device.py's ``Placement``; one code path for CUDA, MPS and the
 CPU): base models load onto ``placement.device`` in ``placement.dtype`` (bfloat16 by default on a
-GPU). LoRA parameters, their gradients and the AdamW state are float32 whatever the base (PEFT's
-``autocast_adapter_dtype``, and the engine initialises each adapter in float32 from its seed, so
-a seed gives the same adapter on every device and dtype); logits are cast to float32 before the
-log-softmax, and losses and logprobs are float32. Checkpoints hold float32 CPU tensors, so a run
-saved on one device loads on any other.
+GPU). LoRA parameters, their gradients and the AdamW state are float32 whatever the base (the
+slots are float32, and the engine initialises each adapter in float32 from its seed, as PEFT
+would, so a seed gives the same adapter on every device and dtype); logits are cast to float32
+before the log-softmax, and losses and logprobs are float32. Checkpoints are PEFT's format
+(``adapter_config.json`` and ``adapter_model.safetensors``, float32 CPU tensors), so a run saved
+on one device loads on any other, and in PEFT and vLLM.
+
+Runs share their base model's LoRA layer: each run's adapter is a slot of it, its parameters
+``Slots.bind``'s float32 views of that slot, keyed by PEFT's adapter-neutral names (what the
+checkpoints hold). A forward routes each datum's row to its run's slot, so several runs' requests
+run as one pass (``forward_backward_together``): each run gets the gradients of its own rows
+only, and its outputs and gradients are what it gets alone, to float32 rounding.
 
 Memory is a budget (``placement.memory_bytes``, ``TINSMITH_DEVICE_MEMORY_MB``): the engine counts
 what it holds on the device (each base model's weights, each run's adapter with its gradients and
@@ -23,8 +31,8 @@ run or base model that does not fit, is refused with ``OutOfBudget``, which says
 and what is free (the handlers unload idle runs, least recently used first, and try again). An
 out-of-memory error on the device fails its request alone (``Unavailable``), with the run as it
 was and the allocator's cache released. The loss reads the base model's hidden states and runs
-the LM head (PEFT's module, LoRA included), the float32 log-softmax and the pick of the targets a
-chunk of positions at a time, so no step holds every position's float32 logits at once.
+the LM head (its LoRA included, routed per position), the float32 log-softmax and the pick of the
+targets a chunk of positions at a time, so no step holds every position's float32 logits at once.
 
 A request that fails leaves its run exactly as it was: a forward_backward accumulates its
 gradients only once they, its loss and its log-probabilities are all finite (a non-finite one is
@@ -40,7 +48,7 @@ import contextlib
 import gc
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,13 +56,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from opentelemetry import trace
-from peft import (
-    LoraConfig,
-    PeftModel,
-    get_peft_model,
-    get_peft_model_state_dict,
-    set_peft_model_state_dict,
-)
+from peft import LoraConfig
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
@@ -62,12 +64,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from services import device as devices
+from services import lora_slots
 from services.device import MEMORY_VARIABLE, Placement
+from services.lora_slots import Slots
 from tinsmith import artifacts, limits, models
 from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import InvalidRequest, NotFound, Unavailable, Unprocessable
+from tinsmith.failures import InvalidRequest, NotFound, TinsmithError, Unavailable, Unprocessable
 from tinsmith.limits import mib
 from tinsmith.losses import config_of
 from tinsmith.tensors import batched, decode_tensor, model_input_tokens
@@ -88,7 +92,8 @@ HEAD_CHUNK_BYTES = 64 << 20
 # and 0.92 on SmolLM2-135M (tests/trainer/test_memory.py checks the bound on tinsmith/tiny).
 ACTIVATION_SCALE = {torch.float32: 1.0, torch.bfloat16: 0.95, torch.float16: 0.95}
 # Per adapter tensor, what a run keeps: the weights, their gradients and AdamW's two moments,
-# all float32.
+# all float32. The weights live in the base's slot stacks, which the engine counts as they are
+# (padded to a rank class, with free places); the other copies are the run's own.
 _RUN_COPIES = 4
 # What a forward_backward holds beyond its activations, in adapter sizes: the gradients
 # accumulated so far set aside, this batch's, and their sum.
@@ -117,11 +122,23 @@ class Pass:
 class Run:
     model_id: str
     base_model: str
-    adapter: str
+    slot: int  # its adapter's slot in the base's LoRA layer
     rank: int
+    targets: list[str]  # the module names its adapter is on (``q_proj``...)
+    # PEFT's adapter-neutral names ("base_model.model.<module>.lora_A.weight") -> the slot's
+    # float32 parameters (views of the stacks).
     params: dict[str, torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     state_bytes: int = 0  # on the device: its adapter, gradients and AdamW state
+
+
+@dataclass
+class _Base:
+    """A loaded base model, frozen, with its LoRA layer installed on every module a layout can
+    target."""
+
+    model: PreTrainedModel
+    slots: Slots
 
 
 @dataclass
@@ -154,11 +171,9 @@ class TrainerEngine:
             torch.device("cpu"), torch.float32, devices.total_memory(torch.device("cpu"))
         )
         self.head_chunk_bytes = head_chunk_bytes
-        self.bases: dict[str, PeftModel] = {}
-        self._unwrapped: dict[str, PreTrainedModel] = {}  # loaded ahead, no run on them yet
+        self.bases: dict[str, _Base] = {}
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Run] = {}
-        self._active: dict[str, str] = {}  # base model -> the adapter currently active on it
         self._base_bytes: dict[str, int] = {}  # base model -> its weights' bytes on the device
         self._shapes: dict[str, models.Shape] = {}
         self._vocab: dict[str, int] = {}  # base model -> rows of its LM head
@@ -178,10 +193,15 @@ class TrainerEngine:
     # -- memory --------------------------------------------------------------------------------
 
     def held_bytes(self) -> int:
-        """What the engine holds on the device: its base models and runs as it counts them, or
-        what torch has allocated there, if more."""
-        counted = sum(self._base_bytes.values()) + sum(r.state_bytes for r in self.runs.values())
-        return max(counted, devices.allocated(self.placement.device))
+        """What the engine holds on the device: its base models, their slot stacks and the runs'
+        gradients and AdamW state as it counts them, or what torch has allocated there, if
+        more."""
+        return max(self._counted_bytes(), devices.allocated(self.placement.device))
+
+    def _counted_bytes(self) -> int:
+        stacks = sum(base.slots.nbytes() for base in self.bases.values())
+        own = sum(r.state_bytes * (_RUN_COPIES - 1) // _RUN_COPIES for r in self.runs.values())
+        return sum(self._base_bytes.values()) + stacks + own
 
     def free_bytes(self) -> int:
         return self.placement.memory_bytes - self.held_bytes()
@@ -261,7 +281,7 @@ class TrainerEngine:
 
     def _holdings(self) -> str:
         bases = sum(self._base_bytes.values())
-        runs = sum(r.state_bytes for r in self.runs.values())
+        runs = self._counted_bytes() - bases
         held = self.held_bytes()
         text = (
             f"{len(self._base_bytes)} base models hold {mib(bases)} and {len(self.runs)} runs "
@@ -274,13 +294,6 @@ class TrainerEngine:
     def _fit(self, need: int, what: str, keep: str) -> None:
         """Make sure ``need`` more bytes fit the budget: drop base models no run uses (they load
         again when asked for), other than ``keep``; ``OutOfBudget`` if that is not enough."""
-        for name in list(self._unwrapped):
-            if self.free_bytes() >= need:
-                return
-            if name != keep:
-                del self._unwrapped[name]
-                self._base_bytes.pop(name, None)
-                devices.release(self.placement.device)
         used = {run.base_model for run in self.runs.values()}
         for name in [n for n in self.bases if n != keep and n not in used]:
             if self.free_bytes() >= need:
@@ -298,7 +311,6 @@ class TrainerEngine:
     def _drop_base(self, name: str) -> None:
         del self.bases[name]
         self._base_bytes.pop(name, None)
-        self._active.pop(name, None)
         gc.collect()
         devices.release(self.placement.device)
 
@@ -332,33 +344,40 @@ class TrainerEngine:
     def loaded(self) -> dict[str, int]:
         """Each loaded base model, with how many runs (adapters) are loaded on it. Read from
         other threads (the metrics), so it only copies plain state."""
-        counts = dict.fromkeys([*self._unwrapped, *self.bases], 0)
+        counts = dict.fromkeys(list(self.bases), 0)
         for run in list(self.runs.values()):
             counts[run.base_model] = counts.get(run.base_model, 0) + 1
         return counts
 
     def load_base(self, name: str) -> None:
         """Load base model ``name`` now (the start-up preload), so its first run does not wait
-        for it; the PEFT wrapping waits for that run's adapter."""
-        if name not in self.bases and name not in self._unwrapped:
-            self._unwrapped[name] = self._on_device("load", self._load_base, name)
+        for it."""
+        if name not in self.bases:
+            self._on_device("load", self._load_base, name)
 
-    def _load_base(self, name: str) -> PreTrainedModel:
-        """Load ``name`` onto the device in the placement's dtype, if its weights fit."""
+    def _load_base(self, name: str) -> _Base:
+        """Load ``name`` onto the device in the placement's dtype, if its weights fit, with the
+        LoRA layer on every module its architecture's layout can target (empty: a run's adapter
+        goes into it)."""
         directory = models.materialize(name, self.cache_dir)
         dtype = self.placement.dtype
         self._fit(_weights_bytes(directory, dtype), f"base model {name}", keep=name)
-        base: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-        base.requires_grad_(False)
-        base.eval()  # type: ignore[no-untyped-call]
-        base.to(self.placement.device)  # type: ignore[arg-type]
-        tensors = {t.data_ptr(): t for t in [*base.parameters(), *base.buffers()]}
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        model.requires_grad_(False)
+        model.eval()  # type: ignore[no-untyped-call]
+        model.to(self.placement.device)  # type: ignore[arg-type]
+        tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        assert isinstance(head, torch.nn.Linear)
+        layout = lora_layout.LAYOUTS.get(models.get(name).arch, {})
+        names = [module for group in layout.values() for module in group]
+        max_rank = limits.Limits.from_env().max_lora_rank
+        base = _Base(model, lora_slots.install(model, names, max_rank=max_rank))
         self._base_bytes[name] = sum(t.numel() * t.element_size() for t in tensors.values())
         self._shapes[name] = models.get(name).shape
-        head = base.get_output_embeddings()  # type: ignore[no-untyped-call]
-        assert isinstance(head, torch.nn.Linear)
         self._vocab[name] = head.weight.shape[0]
         self.model_dirs[name] = directory
+        self.bases[name] = base
         return base
 
     # -- runs ----------------------------------------------------------------------------------
@@ -377,16 +396,8 @@ class TrainerEngine:
             mlp=lora.train_mlp,
             unembed=lora.train_unembed,
         )
-        config = LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora_layout.ALPHA,
-            lora_dropout=lora_layout.DROPOUT,
-            target_modules=targets,
-            bias="none",
-        )
-        adapter = _adapter_name(model_id)
         seed = lora.seed if lora.HasField("seed") else int.from_bytes(np.random.bytes(8)) >> 1
-        self._on_device("create_model", self._create, model_id, command, config, adapter, seed)
+        self._on_device("create_model", self._create, model_id, command, targets, seed)
         if checkpoint is not None:
             try:
                 self.load(model_id, checkpoint, with_optimizer=command.load_optimizer)
@@ -396,35 +407,39 @@ class TrainerEngine:
         return str(self.model_dirs[command.base_model])
 
     def _create(
-        self, model_id: str, command: bus.CreateModel, config: LoraConfig, adapter: str, seed: int
+        self, model_id: str, command: bus.CreateModel, targets: list[str], seed: int
     ) -> None:
-        base_model = command.base_model
-        model = self.bases.get(base_model) or self._unwrapped.get(base_model)
-        if model is None:
-            model = self._unwrapped[base_model] = self._load_base(base_model)
-        targets = set(config.target_modules or ())
-        state_bytes = _RUN_COPIES * _adapter_bytes(model, targets, command.lora.rank)
-        self._fit(
-            state_bytes, f"training run {model_id} (LoRA rank {command.lora.rank})", base_model
-        )
-        peft_model = self._with_adapter(base_model, adapter, config)
+        base_model, rank = command.base_model, command.lora.rank
+        base = self.bases.get(base_model) or self._load_base(base_model)
+        wanted = set(targets)
+        shapes = {
+            path: (module.base.in_features, module.base.out_features)
+            for path, module in base.slots.modules.items()
+            if path.rsplit(".", 1)[-1] in wanted
+        }
+        adapter_bytes = sum(4 * rank * (n_in + n_out) for n_in, n_out in shapes.values())
+        state_bytes = _RUN_COPIES * adapter_bytes
+        # The run's own copies, and the places its rank class's stacks grow by to take it.
+        need = state_bytes - adapter_bytes + base.slots.growth_bytes(rank)
+        self._fit(need, f"training run {model_id} (LoRA rank {rank})", base_model)
+        zeros = {
+            path: (torch.zeros(rank, n_in), torch.zeros(n_out, rank))
+            for path, (n_in, n_out) in shapes.items()
+        }
+        slot = base.slots.load(zeros, rank, lora_layout.ALPHA / rank)
         try:
             params = {
-                name: param
-                for name, param in peft_model.named_parameters()
-                if f".{adapter}." in name
+                _peft_name(path, part): param
+                for path, pair in base.slots.bind(slot).items()
+                for part, param in zip("AB", pair, strict=True)
             }
             _initialise(params, seed)
-            for param in params.values():
-                param.requires_grad_(True)
             optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4)
         except BaseException:
-            peft_model.delete_adapter(adapter)
-            self._active.pop(base_model, None)
+            base.slots.unload(slot)
             raise
-        state_bytes = _RUN_COPIES * sum(p.numel() * p.element_size() for p in params.values())
         self.runs[model_id] = Run(
-            model_id, base_model, adapter, command.lora.rank, params, optimizer, state_bytes
+            model_id, base_model, slot, rank, targets, params, optimizer, state_bytes
         )
 
     def load(self, model_id: str, directory: Path, *, with_optimizer: bool) -> None:
@@ -434,7 +449,7 @@ class TrainerEngine:
         self._on_device("load", self._load, model_id, directory, with_optimizer)
 
     def _load(self, model_id: str, directory: Path, with_optimizer: bool) -> None:
-        run, model = self._activate(model_id)
+        run = self._run(model_id)
         config = json.loads((directory / artifacts.ADAPTER_CONFIG).read_text())
         if int(config.get("r", 0)) != run.rank:
             raise InvalidRequest(
@@ -446,18 +461,27 @@ class TrainerEngine:
         weights = {name: param.detach().clone() for name, param in run.params.items()}
         try:
             state = load_file(str(directory / artifacts.ADAPTER_WEIGHTS))
-            result: Any = set_peft_model_state_dict(model, state, adapter_name=run.adapter)
-            missing = [k for k in result.missing_keys if f".{run.adapter}." in k]
-            if missing or result.unexpected_keys:
+            missing = sorted(set(run.params) - set(state))
+            unexpected = sorted(set(state) - set(run.params))
+            if missing or unexpected:
                 raise InvalidRequest(
                     "the checkpoint's adapter does not fit this run (different target modules?): "
-                    f"{len(missing)} missing and {len(result.unexpected_keys)} unexpected tensors"
+                    f"{len(missing)} missing and {len(unexpected)} unexpected tensors"
                 )
+            wrong = [n for n, p in run.params.items() if tuple(state[n].shape) != tuple(p.shape)]
+            if wrong:
+                raise InvalidRequest(
+                    f"the checkpoint's adapter does not fit this run: {wrong[0]} has shape "
+                    f"{tuple(state[wrong[0]].shape)}, the run's {tuple(run.params[wrong[0]].shape)}"
+                )
+            with torch.no_grad():
+                for name, param in run.params.items():
+                    param.copy_(state[name])
             optimizer = torch.optim.AdamW(list(run.params.values()), lr=1e-4)
             if with_optimizer:
                 tensors = load_file(str(saved))
                 for name, param in run.params.items():
-                    prefix = _neutral(name, run.adapter) + "."
+                    prefix = name + "."
                     entry = {
                         k[len(prefix) :]: _state_on(param, k[len(prefix) :], v)
                         for k, v in tensors.items()
@@ -472,57 +496,24 @@ class TrainerEngine:
             raise
         run.optimizer = optimizer
         for name, param in run.params.items():
-            grad = grads.get(_neutral(name, run.adapter))
+            grad = grads.get(name)
             param.grad = None if grad is None else grad.to(param.device, param.dtype, copy=True)
 
     def unload(self, model_id: str) -> None:
         """Drop the run's adapter and optimizer from memory (after it was snapshotted), and give
         the device memory they held back."""
         run = self.runs.pop(model_id)
-        self.bases[run.base_model].delete_adapter(run.adapter)
-        self._active.pop(run.base_model, None)
+        slots = self.bases[run.base_model].slots
+        slots.unload(run.slot)
         del run
+        slots.shrink()  # its place, and whatever else is free, back to the device
         devices.release(self.placement.device)
 
-    def _with_adapter(self, base_model: str, adapter: str, config: LoraConfig) -> PeftModel:
-        """The base model's PEFT wrapping with ``adapter`` added. If adding it fails (the device
-        runs out of memory, say), a half-added adapter is removed, and a base that was being
-        wrapped for the first time is dropped (it loads again on its next run)."""
-        peft_model = self.bases.get(base_model)
-        if peft_model is None:
-            base = self._unwrapped.pop(base_model, None)
-            if base is None:
-                base = self._load_base(base_model)
-            try:
-                peft_model = get_peft_model(base, config, adapter_name=adapter)
-            except BaseException:
-                self._base_bytes.pop(base_model, None)
-                raise
-            self.bases[base_model] = peft_model
-        else:
-            try:
-                peft_model.add_adapter(adapter, config)
-            except BaseException:
-                if adapter in peft_model.peft_config:
-                    peft_model.delete_adapter(adapter)
-                self._active.pop(base_model, None)
-                raise
-        return peft_model
-
-    def _activate(self, model_id: str) -> tuple[Run, PeftModel]:
+    def _run(self, model_id: str) -> Run:
         run = self.runs.get(model_id)
         if run is None:
             raise NotFound(f"training run {model_id!r} is not loaded on this trainer")
-        model = self.bases[run.base_model]
-        # On the PeftModel itself, which keeps its own record of the active adapter. That record
-        # goes stale when an adapter of the same name is deleted and added again, so the engine
-        # keeps its own, and skips the switch (a walk over every module) when nothing changed.
-        if self._active.get(run.base_model) != run.adapter:
-            model.set_adapter(run.adapter)
-            self._active[run.base_model] = run.adapter
-        for param in run.params.values():  # set_adapter freezes the others; keep ours trainable
-            param.requires_grad_(True)
-        return run, model
+        return run
 
     # -- forward / backward --------------------------------------------------------------------
 
@@ -539,7 +530,143 @@ class TrainerEngine:
         return self._on_device(op, self._forward_backward, model_id, request)
 
     def _forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
-        run, model = self._activate(model_id)
+        run = self._run(model_id)
+        batch = self._decode(run, request)
+        grad = not request.forward_only
+        passes = self.plan(model_id, batch.lengths, backward=grad)
+        self.last_plan = passes
+        span = trace.get_current_span()
+        span.set_attribute("tinsmith.micro_batches", len(passes))
+        span.set_attribute("tinsmith.checkpointed_datums", sum(p.checkpointed for p in passes))
+        config = config_of(request)
+        base = self.bases[run.base_model]
+        accumulated = _set_aside(run) if grad else {}
+        try:
+            logprobs: list[torch.Tensor | None] = [None] * len(batch.tokens)
+            for step in passes:
+                part = _Part(run, batch, list(step.datums))
+                inputs = [batch.inputs[i] for i in part.datums]
+                with (
+                    self._checkpointing(base.model, step.checkpointed),
+                    torch.set_grad_enabled(grad),
+                    base.slots.routed(_row_slots([part])),  # the backward may recompute
+                ):
+                    (lps,) = self._target_logprobs(base, [part], grad=grad)
+                    if grad:
+                        result = losses.from_logprobs(
+                            request.loss_fn, lps, inputs, config, part.datums
+                        )
+                        _check_loss(request.loss_fn, result, inputs, part.datums)
+                        result.total.backward()  # type: ignore[no-untyped-call]
+                for i, lp in zip(part.datums, lps, strict=True):
+                    logprobs[i] = lp.detach()
+            # The outputs and metrics of the whole batch at once, as one pass would give them.
+            ready = [lp for lp in logprobs if lp is not None]
+            result = losses.from_logprobs(request.loss_fn, ready, batch.inputs, config)
+            _check_loss(request.loss_fn, result, batch.inputs)
+            if grad:
+                summed = _accumulate(run, accumulated)
+        except BaseException:
+            _restore(run, accumulated)
+            raise
+        _restore(run, summed if grad else {})
+        return _output(result, len(batch.tokens))
+
+    def forward_backward_together(
+        self, asks: Sequence[tuple[str, tp.ForwardBackwardRequest]]
+    ) -> list[bytes | Exception | None]:
+        """Several runs' forward_backward (or forward) requests on one base model as one pass:
+        every datum a row of one right-padded batch, routed to its run's slot, each run's own
+        loss function and config on its own rows, and one backward. A run's rows meet no other
+        run's, so each run's outputs and gradients are what ``forward_backward`` gives it alone,
+        to float32 rounding, and its accumulated gradients change only as they would there.
+
+        For each request, in order: its serialized output; the error that fails it alone (an
+        invalid request, or a loss or gradients not finite, which leave its run as it was); or
+        None where it was not run and is to be run alone with ``forward_backward``: its run is
+        not loaded here, it would be the only one, the requests are not all forwards or all
+        forward_backwards of distinct runs on one base, the pass would not fit what is free of
+        the budget in one go (alone, a request is split into micro-batches), or the device ran
+        out of memory in it."""
+        try:
+            return self._on_device("forward_backward", self._together, asks)
+        except Unavailable:
+            return [None] * len(asks)
+
+    def _together(
+        self, asks: Sequence[tuple[str, tp.ForwardBackwardRequest]]
+    ) -> list[bytes | Exception | None]:
+        results: list[bytes | Exception | None] = [None] * len(asks)
+        members: list[tuple[int, _Part, tp.ForwardBackwardRequest]] = []
+        for k, (model_id, request) in enumerate(asks):
+            run = self.runs.get(model_id)
+            if run is None:
+                continue
+            try:
+                batch = self._decode(run, request)
+            except InvalidRequest as exc:
+                results[k] = exc
+                continue
+            members.append((k, _Part(run, batch, list(range(len(batch.tokens)))), request))
+        runs = [part.run for _, part, _ in members]
+        modes = {request.forward_only for _, _, request in members}
+        if (
+            len({run.base_model for run in runs}) > 1
+            or len(modes) > 1
+            or len({run.model_id for run in runs}) < len(runs)
+        ):
+            return results
+        if len(members) < 2:
+            return results  # one request runs alone, where it may be split
+        grad = not modes.pop()
+        base_model = runs[0].base_model
+        lengths = [n for _, part, _ in members for n in part.batch.lengths]
+        steps = sum(_STEP_COPIES * run.state_bytes // _RUN_COPIES for run in runs) if grad else 0
+        if self.activation_bytes(base_model, lengths, backward=grad) > self.free_bytes() - steps:
+            return results
+        base = self.bases[base_model]
+        accumulated = {run.model_id: _set_aside(run) if grad else {} for run in runs}
+        try:
+            with (
+                torch.set_grad_enabled(grad),
+                base.slots.routed(_row_slots(p for _, p, _ in members)),
+            ):
+                per_part = self._target_logprobs(base, [p for _, p, _ in members], grad=grad)
+                done: list[tuple[int, _Part, losses.LossResult]] = []
+                for (k, part, request), lps in zip(members, per_part, strict=True):
+                    inputs = part.batch.inputs
+                    try:
+                        result = losses.from_logprobs(
+                            request.loss_fn, lps, inputs, config_of(request)
+                        )
+                        _check_loss(request.loss_fn, result, inputs)
+                    except TinsmithError as exc:
+                        results[k] = exc
+                        continue
+                    done.append((k, part, result))
+                if grad and done:
+                    total = torch.stack([result.total for _, _, result in done]).sum()
+                    total.backward()  # type: ignore[no-untyped-call]
+            for k, part, result in done:
+                run = part.run
+                if grad:
+                    try:
+                        summed = _accumulate(run, accumulated[run.model_id])
+                    except Unprocessable as exc:
+                        results[k] = exc
+                        continue
+                    accumulated[run.model_id] = summed
+                results[k] = _output(result, len(part.batch.tokens))
+        except BaseException:
+            for run in runs:
+                _restore(run, accumulated[run.model_id])
+            raise
+        for run in runs:
+            _restore(run, accumulated[run.model_id])
+        return results
+
+    def _decode(self, run: Run, request: tp.ForwardBackwardRequest) -> _Batch:
+        """The request's datums on the host, checked against the run's base model."""
         batch = _Batch(
             tokens=[model_input_tokens(d.model_input) for d in request.data],
             inputs=[
@@ -554,100 +681,61 @@ class TrainerEngine:
             if "target_tokens" not in datum_inputs:
                 raise InvalidRequest(f"datum {i}: loss_fn_inputs has no 'target_tokens'")
             losses.check_targets(datum_inputs["target_tokens"], n, vocab, i)
-        grad = not request.forward_only
-        passes = self.plan(model_id, batch.lengths, backward=grad)
-        self.last_plan = passes
-        span = trace.get_current_span()
-        span.set_attribute("tinsmith.micro_batches", len(passes))
-        span.set_attribute("tinsmith.checkpointed_datums", sum(p.checkpointed for p in passes))
-        config = config_of(request)
-        accumulated = {name: param.grad for name, param in run.params.items()}
-        try:
-            if grad:
-                for param in run.params.values():
-                    param.grad = None  # this batch's own gradients land here
-            logprobs: list[torch.Tensor | None] = [None] * len(batch.tokens)
-            for step in passes:
-                part = list(step.datums)
-                with self._checkpointing(model, step.checkpointed), torch.set_grad_enabled(grad):
-                    lps = self._target_logprobs(run, model, batch, part, grad=grad)
-                    if grad:
-                        result = losses.from_logprobs(
-                            request.loss_fn, lps, [batch.inputs[i] for i in part], config, part
-                        )
-                        _check_loss(request.loss_fn, result, [batch.inputs[i] for i in part], part)
-                        result.total.backward()  # type: ignore[no-untyped-call]
-                for i, lp in zip(part, lps, strict=True):
-                    logprobs[i] = lp.detach()
-            # The outputs and metrics of the whole batch at once, as one pass would give them.
-            ready = [lp for lp in logprobs if lp is not None]
-            result = losses.from_logprobs(request.loss_fn, ready, batch.inputs, config)
-            _check_loss(request.loss_fn, result, batch.inputs)
-            if grad:
-                summed = _accumulate(run, accumulated)
-        except BaseException:
-            for name, param in run.params.items():
-                param.grad = accumulated[name]
-            raise
-        if grad:
-            for name, param in run.params.items():
-                param.grad = summed[name]
-        out = tp.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(batch.tokens))
-        record.fields["logprobs"].CopyFrom(batched([lp.cpu().numpy() for lp in result.logprobs]))
-        record.fields["elementwise_loss"].CopyFrom(
-            batched([el.cpu().numpy() for el in result.elementwise])
-        )
-        for key, value in result.metrics.items():
-            out.metrics[key] = value
-        return out.SerializeToString()
+        return batch
 
     def _target_logprobs(
-        self, run: Run, model: PeftModel, batch: _Batch, part: list[int], *, grad: bool
-    ) -> list[torch.Tensor]:
-        """The float32 target log-probabilities of the datums ``part`` of ``batch``, in one
-        right-padded forward pass: the base model's hidden states of the datums' tokens, then
-        the LM head (PEFT's module, so a LoRA on ``lm_head`` applies), the log-softmax and the
-        pick of the targets, a chunk of positions at a time. With gradients and more than one
-        chunk, each chunk is checkpointed: its logits are computed again in the backward pass
-        instead of being kept."""
+        self, base: _Base, parts: Sequence[_Part], *, grad: bool
+    ) -> list[list[torch.Tensor]]:
+        """For each part, the float32 target log-probabilities of its datums, all parts in one
+        right-padded forward pass (run inside ``routed(_row_slots(parts))``): the base model's
+        hidden states of the datums' tokens, then the LM head (its LoRA routed per position),
+        the log-softmax and the pick of the targets, a chunk of positions at a time. With
+        gradients and more than one chunk, each chunk is checkpointed: its logits are computed
+        again in the backward pass instead of being kept."""
         placement = self.placement
-        lengths = [batch.lengths[i] for i in part]
-        ids = torch.zeros((len(part), max(lengths)), dtype=torch.long)
+        datums = [(part, i) for part in parts for i in part.datums]
+        lengths = [part.batch.lengths[i] for part, i in datums]
+        ids = torch.zeros((len(datums), max(lengths)), dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for row, (i, n) in enumerate(zip(part, lengths, strict=True)):
-            ids[row, :n] = torch.from_numpy(batch.tokens[i].astype(np.int64))
+        for row, ((part, i), n) in enumerate(zip(datums, lengths, strict=True)):
+            ids[row, :n] = torch.from_numpy(part.batch.tokens[i].astype(np.int64))
             mask[row, :n] = 1
         ids, mask = ids.to(placement.device), mask.to(placement.device)
-        causal = _causal_lm(model)
-        decoder = causal.get_decoder()  # type: ignore[no-untyped-call]
-        head = causal.get_output_embeddings()  # type: ignore[no-untyped-call]
+        decoder = base.model.get_decoder()  # type: ignore[no-untyped-call]
+        head = base.model.get_output_embeddings()  # type: ignore[no-untyped-call]
         assert isinstance(decoder, torch.nn.Module) and isinstance(head, torch.nn.Module)
         hidden = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         rows = hidden[mask.bool()]  # the datums' positions, datum after datum
         starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        targets = [batch.inputs[i]["target_tokens"].to(placement.device) for i in part]
+        targets = [part.batch.inputs[i]["target_tokens"].to(placement.device) for part, i in datums]
         # Datums whose targets have the same shape per position ((N,) or (N, K)) go together.
         groups: dict[tuple[int, ...], list[int]] = {}
         for k, target in enumerate(targets):
             groups.setdefault(tuple(target.shape[1:]), []).append(k)
-        out: list[torch.Tensor | None] = [None] * len(part)
-        chunk = self._chunk_rows(self._vocab[run.base_model])
+        out: list[torch.Tensor | None] = [None] * len(datums)
+        chunk = self._chunk_rows(self._vocab[parts[0].run.base_model])
         for members in groups.values():
-            if len(members) == len(part):
+            if len(members) == len(datums):
                 picked = rows
             else:
                 picked = torch.cat([rows[starts[k] : starts[k + 1]] for k in members])
             wanted = torch.cat([targets[k] for k in members]).long()
-            lps = _head_logprobs(head, picked, wanted, chunk, grad=grad)
+            slots = torch.cat(
+                [
+                    torch.full((lengths[k],), datums[k][0].run.slot, dtype=torch.long)
+                    for k in members
+                ]
+            )
+            lps = _head_logprobs(base.slots, head, picked, slots, wanted, chunk, grad=grad)
             offset = 0
             for k in members:
                 out[k] = lps[offset : offset + lengths[k]]
                 offset += lengths[k]
-        return [lp for lp in out if lp is not None]
+        found = iter(out)
+        return [[next(found) for _ in part.datums] for part in parts]  # type: ignore[misc]
 
     @contextlib.contextmanager
-    def _checkpointing(self, model: PeftModel, on: bool) -> Iterator[None]:
+    def _checkpointing(self, model: PreTrainedModel, on: bool) -> Iterator[None]:
         """Within it (when ``on``), the base model's decoder layers keep only their inputs for
         the backward pass and compute their activations again there (transformers' activation
         checkpointing, non-reentrant). Transformers checkpoints only layers in training mode:
@@ -656,10 +744,9 @@ class TrainerEngine:
         if not on:
             yield
             return
-        causal = _causal_lm(model)
-        causal.activation_checkpointing_enable({"use_reentrant": False})
-        causal.disable_input_require_grads()  # type: ignore[no-untyped-call]
-        layers = [m for m in causal.modules() if isinstance(m, GradientCheckpointingLayer)]
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.disable_input_require_grads()  # type: ignore[no-untyped-call]
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         try:
             for layer in layers:
                 layer.training = True
@@ -667,7 +754,7 @@ class TrainerEngine:
         finally:
             for layer in layers:
                 layer.training = False
-            causal.activation_checkpointing_disable()  # type: ignore[no-untyped-call]
+            model.activation_checkpointing_disable()  # type: ignore[no-untyped-call]
 
     # -- optimizer -----------------------------------------------------------------------------
 
@@ -681,7 +768,7 @@ class TrainerEngine:
         return self._on_device("optim_step", self._optim_step, model_id, adam)
 
     def _optim_step(self, model_id: str, adam: bus.AdamParams) -> dict[str, float]:
-        run, _ = self._activate(model_id)
+        run = self._run(model_id)
         named = {name: p.grad for name, p in run.params.items() if p.grad is not None}
         params = [run.params[name] for name in named]
         grads = list(named.values())
@@ -690,7 +777,7 @@ class TrainerEngine:
             raise Unprocessable(
                 f"the gradients accumulated since the last optim_step are not finite in "
                 f"{len(broken)} of {len(named)} adapter tensors (first: "
-                f"{_neutral(broken[0], run.adapter)}); the step was not taken"
+                f"{broken[0]}); the step was not taken"
             )
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if not bool(torch.isfinite(norm)):
@@ -734,7 +821,7 @@ class TrainerEngine:
             if broken:
                 raise Unprocessable(
                     f"this step would make {len(broken)} of {len(named)} adapter tensors (first: "
-                    f"{_neutral(broken[0], run.adapter)}) {refusal}"
+                    f"{broken[0]}) {refusal}"
                 )
         except BaseException:
             with torch.no_grad():
@@ -765,23 +852,25 @@ class TrainerEngine:
         state for a training checkpoint, and the gradients accumulated since the last optim_step
         for a snapshot (a run unloaded between forward_backward and optim_step must not lose
         them)."""
-        run, model = self._activate(model_id)
+        run = self._run(model_id)
         directory.mkdir(parents=True, exist_ok=True)
-        # Adapter tensors only: by default PEFT adds the whole base lm_head when it is a LoRA
-        # target, which bloats every checkpoint and would overwrite the shared base on load.
-        state = get_peft_model_state_dict(
-            model, adapter_name=run.adapter, save_embedding_layers=False
-        )
         save_file(
-            {k: _portable(v) for k, v in state.items()}, str(directory / artifacts.ADAPTER_WEIGHTS)
+            {name: _portable(param) for name, param in run.params.items()},
+            str(directory / artifacts.ADAPTER_WEIGHTS),
         )
-        config = model.peft_config[run.adapter]
-        config.base_model_name_or_path = run.base_model
+        config = LoraConfig(
+            r=run.rank,
+            lora_alpha=lora_layout.ALPHA,
+            lora_dropout=lora_layout.DROPOUT,
+            target_modules=run.targets,
+            bias="none",
+            base_model_name_or_path=run.base_model,
+        )
         config.save_pretrained(str(directory))
         if with_optimizer:
             save_file(_optimizer_tensors(run), str(directory / artifacts.OPTIMIZER_STATE))
         grads = {
-            _neutral(name, run.adapter): _portable(param.grad)
+            name: _portable(param.grad)
             for name, param in run.params.items()
             if param.grad is not None
         }
@@ -793,14 +882,14 @@ class TrainerEngine:
 
 
 def _optimizer_tensors(run: Run) -> dict[str, torch.Tensor]:
-    """AdamW's per-parameter state, keyed by adapter-neutral parameter names (as PEFT keys its
-    weights), so any run with the same LoRA layout can load it."""
+    """AdamW's per-parameter state, keyed by the adapter-neutral parameter names PEFT keys its
+    weights by, so any run with the same LoRA layout can load it."""
     tensors: dict[str, torch.Tensor] = {}
     for name, param in run.params.items():
         state = run.optimizer.state.get(param, {})
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{_neutral(name, run.adapter)}.{key}"] = _portable(value)
+                tensors[f"{name}.{key}"] = _portable(value)
     return tensors
 
 
@@ -828,42 +917,99 @@ def _host_tensor(tensor: tp.Tensor, name: str) -> torch.Tensor:
 
 
 def _head_logprobs(
-    head: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor, chunk: int, *, grad: bool
+    slots: Slots,
+    head: torch.nn.Module,
+    rows: torch.Tensor,
+    row_slots: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    *,
+    grad: bool,
 ) -> torch.Tensor:
-    """log_softmax(head(rows)) at ``targets``, in float32, ``chunk`` positions at a time. With
-    gradients and more than one chunk, each chunk is checkpointed (non-reentrant: the LoRA
-    parameters inside ``head`` get their gradients in the recomputation)."""
+    """log_softmax(head(rows)) at ``targets``, in float32, ``chunk`` positions at a time, each
+    position through the LoRA of its slot (``row_slots``). With gradients and more than one
+    chunk, each chunk is checkpointed (non-reentrant: the LoRA parameters inside ``head`` get
+    their gradients in the recomputation, which routes the chunk again)."""
     n = rows.shape[0]
     if n <= chunk:
-        whole: torch.Tensor = _chunk_logprobs(head, rows, targets)
+        whole: torch.Tensor = _chunk_logprobs(slots, head, rows, row_slots, targets)
         return whole
     parts = []
     for start in range(0, n, chunk):
-        h, t = rows[start : start + chunk], targets[start : start + chunk]
+        end = start + chunk
+        h, s, t = rows[start:end], row_slots[start:end], targets[start:end]
         if grad:
-            part: torch.Tensor = checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False)
+            part: torch.Tensor = checkpoint(
+                _chunk_logprobs, slots, head, h, s, t, use_reentrant=False
+            )
             parts.append(part)
         else:
-            parts.append(_chunk_logprobs(head, h, t))
+            parts.append(_chunk_logprobs(slots, head, h, s, t))
     return torch.cat(parts)
 
 
-def _chunk_logprobs(head: torch.nn.Module, rows: torch.Tensor, targets: torch.Tensor) -> Any:
-    return losses.pick(head(rows).float(), targets)
+def _chunk_logprobs(
+    slots: Slots,
+    head: torch.nn.Module,
+    rows: torch.Tensor,
+    row_slots: torch.Tensor,
+    targets: torch.Tensor,
+) -> Any:
+    with slots.routed(row_slots):
+        return losses.pick(head(rows).float(), targets)
 
 
-def _causal_lm(model: PeftModel) -> PreTrainedModel:
-    """The transformers model inside PEFT's wrapping (its LoRA layers in place)."""
-    causal = model.get_base_model()
-    assert isinstance(causal, PreTrainedModel)
-    return causal
+@dataclass(frozen=True)
+class _Part:
+    """Datums of one run's request in a forward pass, by their place in its batch."""
+
+    run: Run
+    batch: _Batch
+    datums: list[int]
+
+
+def _row_slots(parts: Iterable[_Part]) -> list[int]:
+    """The slot of each row of a pass over ``parts``: each datum's run's."""
+    return [part.run.slot for part in parts for _ in part.datums]
+
+
+def _set_aside(run: Run) -> dict[str, torch.Tensor | None]:
+    """The run's accumulated gradients, taken off its parameters (a batch's own land there)."""
+    accumulated = {name: param.grad for name, param in run.params.items()}
+    for param in run.params.values():
+        param.grad = None
+    return accumulated
+
+
+def _restore(run: Run, grads: Mapping[str, torch.Tensor | None]) -> None:
+    """Put ``grads`` on the run's parameters (nothing, for an empty mapping)."""
+    for name, grad in grads.items():
+        run.params[name].grad = grad
+
+
+def _output(result: losses.LossResult, datums: int) -> bytes:
+    out = tp.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=datums)
+    record.fields["logprobs"].CopyFrom(batched([lp.cpu().numpy() for lp in result.logprobs]))
+    record.fields["elementwise_loss"].CopyFrom(
+        batched([el.cpu().numpy() for el in result.elementwise])
+    )
+    for key, value in result.metrics.items():
+        out.metrics[key] = value
+    return out.SerializeToString()
+
+
+def _peft_name(path: str, part: str) -> str:
+    """PEFT's adapter-neutral name of a module's ``A`` or ``B`` (what checkpoints key by)."""
+    return f"base_model.model.{path}.lora_{part}.weight"
 
 
 def _initialise(params: dict[str, torch.nn.Parameter], seed: int) -> None:
     """PEFT's default LoRA initialisation (A: Kaiming-uniform with a = sqrt(5), B: zero), drawn
-    in float32 on the CPU from ``seed``, in the order of the parameters' names: the same adapter
-    on every device and whatever the base weights' dtype (PEFT draws A in the base's dtype, so a
-    bfloat16 base would round it)."""
+    in float32 on the CPU from ``seed``, in the order of the parameters' names (PEFT's: sorted
+    the same with or without the adapter's name in them): the same adapter on every device and
+    whatever the base weights' dtype (PEFT draws A in the base's dtype, so a bfloat16 base would
+    round it)."""
     generator = torch.Generator().manual_seed(seed % 2**63)
     with torch.no_grad():
         for name in sorted(params):
@@ -874,20 +1020,6 @@ def _initialise(params: dict[str, torch.nn.Parameter], seed: int) -> None:
                 param.copy_(value)
             elif ".lora_B." in name:
                 param.zero_()
-
-
-def _adapter_bytes(model: torch.nn.Module, targets: set[str], rank: int) -> int:
-    """The float32 bytes of a rank-``rank`` LoRA adapter on the modules of ``model`` named in
-    ``targets``: rank x (inputs + outputs) per module."""
-    total = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in targets:
-            continue
-        get_base = getattr(module, "get_base_layer", None)
-        layer = get_base() if get_base is not None else module
-        if isinstance(layer, torch.nn.Linear):
-            total += rank * (layer.in_features + layer.out_features) * 4
-    return total
 
 
 def _weights_bytes(directory: Path, dtype: torch.dtype) -> int:
@@ -910,7 +1042,7 @@ def _accumulate(
     if broken:
         raise Unprocessable(
             f"the gradients of this batch are not finite in {len(broken)} of {len(fresh)} "
-            f"adapter tensors (first: {_neutral(broken[0], run.adapter)}), though its loss is: "
+            f"adapter tensors (first: {broken[0]}), though its loss is: "
             "a loss term's gradient overflows (importance ratios or weights far too large?); "
             "nothing was accumulated"
         )
@@ -923,7 +1055,7 @@ def _accumulate(
         raise Unprocessable(
             "adding the gradients of this batch to those accumulated since the last optim_step "
             f"overflows in {len(broken)} adapter tensors (first: "
-            f"{_neutral(broken[0], run.adapter)}); nothing was accumulated"
+            f"{broken[0]}); nothing was accumulated"
         )
     return summed
 
@@ -989,12 +1121,3 @@ def _put_back(run: Run, weights: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, param in run.params.items():
             param.copy_(weights[name])
-
-
-def _neutral(name: str, adapter: str) -> str:
-    return name.replace(f".{adapter}.", ".")
-
-
-def _adapter_name(model_id: str) -> str:
-    """PEFT adapter names become module attribute names: no '.' and no ':'."""
-    return "run_" + "".join(c if c.isalnum() else "_" for c in model_id)

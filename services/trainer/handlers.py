@@ -13,6 +13,8 @@ Owns:
   log holds after it are executed again in seq_id order; those whose outcome is already recorded
   only to rebuild the state (their results are not recorded twice; a failed one changed nothing
   and is skipped), those without one normally;
+- fusing: forward_backward requests of several runs on one base model that are ready together
+  run as one pass (fusion.py);
 - ordering: the SDK may send a forward_backward's chunks out of order, chunk 1 last, and a
   request the gateway rejected leaves its seq_id to be skipped. Requests come from the log as
   this replica's projection folds them (``FollowedProjection.on_event``), and are read back
@@ -73,6 +75,7 @@ from tinsmith.tensors import model_input_tokens
 from . import placement
 from .config import TrainerConfig
 from .engine import OutOfBudget, TrainerEngine
+from .fusion import Ask, Fuser
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -141,6 +144,9 @@ class Trainer:
             engine.init_compute_thread,
             device=engine.device,
             gpu_clock=gpu.cuda_clock(engine.device()),
+        )
+        self.fuser = Fuser(
+            self.compute, engine, self._alone, config.fuse_tokens, config.fuse_request_tokens
         )
         self.fleet = Fleet(
             bus_,
@@ -801,20 +807,25 @@ class Trainer:
     ) -> tuple[bytes, str]:
         request = accepted.forward_backward
         tokens = sum(len(model_input_tokens(datum.model_input)) for datum in request.data)
-        op = "forward" if request.forward_only else "forward_backward"
-        attributes = {
+        attributes: telemetry.Attributes = {
             **self._attributes(accepted.aggregate_id),
             "tinsmith.batch_size": len(request.data),
             "tinsmith.tokens": tokens,
         }
-        output = await self._fitting(
-            accepted.aggregate_id,
-            lambda: self.compute.traced(
-                op, attributes, self.engine.forward_backward, accepted.aggregate_id, request
-            ),
-        )
+        ask = Ask(accepted.aggregate_id, queue.create.base_model, request, tokens, attributes)
+        output = await self.fuser.forward_backward(ask)
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         return output, PROTOBUF
+
+    async def _alone(self, ask: Ask) -> bytes:
+        """A forward_backward by itself (the fuser's way for one that runs with no other)."""
+        op = "forward" if ask.request.forward_only else "forward_backward"
+        return await self._fitting(
+            ask.model_id,
+            lambda: self.compute.traced(
+                op, ask.attributes, self.engine.forward_backward, ask.model_id, ask.request
+            ),
+        )
 
     async def _optim_step(
         self, accepted: bus.RequestAccepted, queue: _RunQueue

@@ -5,6 +5,7 @@ on both faces; every service serves its Prometheus metrics."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,12 +244,23 @@ def test_every_service_serves_prometheus_metrics(
     assert _total(gateway, "tinsmith_queue_depth", 'tinsmith_queue="trainer"') == 0
 
     trainer = scraped["trainer"]
+    # A request's work duration is recorded once its outcome is in the log, which the client
+    # may have read first: the count catches up within moments.
+    done = (
+        "tinsmith_work_duration_seconds_count",
+        'tinsmith_op="forward_backward"',
+        'outcome="ok"',
+    )
+    deadline = time.monotonic() + 10
+    while _total(trainer, *done) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        trainer = _scrape(traced_system.metrics["trainer"])
     assert _total(trainer, "tinsmith_compute_busy_seconds_total") > 0
     trained = 'tinsmith_tokens="trained"'
     assert _total(trainer, "tinsmith_tokens_total", trained) >= 2 * (len(TOKENS) - 1)
     op = 'tinsmith_op="forward_backward"'
     assert _total(trainer, "tinsmith_queue_wait_seconds_count", op) >= 2
-    assert _total(trainer, "tinsmith_work_duration_seconds_count", op, 'outcome="ok"') >= 2
+    assert _total(trainer, *done) >= 2
     assert _total(trainer, "tinsmith_base_models_loaded") == 1
     assert _total(trainer, "tinsmith_adapters_loaded", 'tinsmith_base_model="tinsmith/tiny"') >= 1
 

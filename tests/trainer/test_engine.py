@@ -133,17 +133,14 @@ def _crossed_thresholds(seed: int) -> tp.ForwardBackwardRequest:
 
 
 def _weights(engine: TrainerEngine, model_id: str) -> dict[str, torch.Tensor | None]:
-    """The run's adapter tensors, by names that do not name the run."""
+    """The run's adapter tensors, by their PEFT names."""
     run = engine.runs[model_id]
-    return {n.replace(run.adapter, "run"): p.detach().clone() for n, p in run.params.items()}
+    return {n: p.detach().clone() for n, p in run.params.items()}
 
 
 def _grads(engine: TrainerEngine, model_id: str) -> dict[str, torch.Tensor | None]:
     run = engine.runs[model_id]
-    return {
-        n.replace(run.adapter, "run"): None if p.grad is None else p.grad.clone()
-        for n, p in run.params.items()
-    }
+    return {n: None if p.grad is None else p.grad.clone() for n, p in run.params.items()}
 
 
 def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:

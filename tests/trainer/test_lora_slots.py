@@ -91,7 +91,7 @@ def test_a_pass_over_several_adapters_gives_each_its_own_gradient(base: PreTrain
     four, eight = _peft(base, 4, seed=4), _peft(base, 8, seed=5)
     model, slots = _slotted(base)
     a, b = _load(slots, four, 4), _load(slots, eight, 8)
-    slots.trainable()
+    bound = {a: slots.bind(a), b: slots.bind(b)}
     tokens = _tokens(4, seed=6)
     routes = [a, b, b, a]
     with slots.routed(routes):
@@ -104,16 +104,53 @@ def test_a_pass_over_several_adapters_gives_each_its_own_gradient(base: PreTrain
         grads = {
             name: param.grad for name, param in adapter.named_parameters() if param.grad is not None
         }
-        for path, module in slots.modules.items():
+        assert set(bound[slot]) == set(slots.modules)
+        for path, (param_a, param_b) in bound[slot].items():
             key = f"base_model.model.{path}.lora_A.default.weight"
-            got_a, got_b = module.grads(slot)
-            assert got_a is not None and got_b is not None
+            assert param_a.shape == (rank, slots.modules[path].base.in_features)
+            assert param_a.grad is not None and param_b.grad is not None
             want_a = grads[key]
             want_b = grads[key.replace("lora_A", "lora_B")]
-            assert (got_a[:rank] - want_a).abs().max().item() <= TOLERANCE, path
-            assert (got_b[:, :rank] - want_b).abs().max().item() <= TOLERANCE, path
-            # Past its rank the slot's stack has no gradient: the padding adds nothing.
-            assert not got_a[rank:].any() and not got_b[:, rank:].any()
+            assert (param_a.grad - want_a).abs().max().item() <= TOLERANCE, path
+            assert (param_b.grad - want_b).abs().max().item() <= TOLERANCE, path
+
+
+def test_a_bound_adapter_stays_its_slot_s_through_growing_and_packing(
+    base: PreTrainedModel,
+) -> None:
+    """What is done to a bound adapter's parameters (an optimizer's step) is what the forwards
+    compute with, before and after its stacks were reallocated, and the parameters stay the same
+    objects (an optimizer's state is keyed by them)."""
+    model, slots = _slotted(base)
+    first = _load(slots, _peft(base, 4, seed=30), 4)
+    params = slots.bind(first)
+    objects = [id(p) for pair in params.values() for p in pair]
+    tokens = _tokens(2, seed=31)
+
+    def nudged_logits() -> torch.Tensor:
+        with torch.no_grad():
+            for param_a, param_b in params.values():
+                param_a.mul_(1.5)
+                param_b.add_(0.01)
+            with slots.routed([first, first]):
+                return model(tokens).logits
+
+    def alone_logits() -> torch.Tensor:
+        weights = {path: (a.detach(), b.detach()) for path, (a, b) in params.items()}
+        reference, reference_slots = _slotted(base)
+        slot = reference_slots.load(weights, rank=4, scale=lora.ALPHA / 4)
+        with torch.no_grad(), reference_slots.routed([slot, slot]):
+            return reference(tokens).logits
+
+    assert (nudged_logits() - alone_logits()).abs().max().item() <= TOLERANCE
+    others = [_load(slots, _peft(base, 8, seed=32 + n), 8) for n in range(3)]  # the class grows
+    assert slots.capacity == {8: 4}
+    assert (nudged_logits() - alone_logits()).abs().max().item() <= TOLERANCE
+    for slot in others:
+        slots.unload(slot)
+    assert slots.shrink() > 0 and slots.capacity == {8: 1}
+    assert (nudged_logits() - alone_logits()).abs().max().item() <= TOLERANCE
+    assert [id(p) for pair in slots.bind(first).values() for p in pair] == objects
 
 
 def test_adapters_go_in_and_out_in_peft_s_format(base: PreTrainedModel, tmp_path: Path) -> None:

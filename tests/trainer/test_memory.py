@@ -22,7 +22,6 @@ from services.trainer.engine import (
     OutOfBudget,
     Pass,
     TrainerEngine,
-    _causal_lm,
 )
 from tinsmith import artifacts, models
 from tinsmith._proto import bus_pb2 as bus
@@ -89,15 +88,12 @@ def _outputs(output: bytes) -> tuple[list[np.ndarray], list[np.ndarray], dict[st
 
 def _grads(engine: TrainerEngine, model_id: str) -> dict[str, torch.Tensor | None]:
     run = engine.runs[model_id]
-    return {
-        n.replace(run.adapter, "run"): None if p.grad is None else p.grad.clone()
-        for n, p in run.params.items()
-    }
+    return {n: None if p.grad is None else p.grad.clone() for n, p in run.params.items()}
 
 
 def _weights(engine: TrainerEngine, model_id: str) -> dict[str, torch.Tensor]:
     run = engine.runs[model_id]
-    return {n.replace(run.adapter, "run"): p.detach().clone() for n, p in run.params.items()}
+    return {n: p.detach().clone() for n, p in run.params.items()}
 
 
 def _assert_close_outputs(a: bytes, b: bytes, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -140,8 +136,8 @@ def test_a_bfloat16_base_trains_float32_adapters_and_checkpoints_float32(tmp_pat
     half, full = _engine(torch.bfloat16), _engine()
     for engine in (half, full):
         _create(engine, "run", seed=7)
-    base = half.bases[TINY]
-    frozen = [p for n, p in base.named_parameters() if "lora_" not in n]
+    base = half.bases[TINY].model
+    frozen = list(base.parameters())
     assert frozen and all(p.dtype == torch.bfloat16 and not p.requires_grad for p in frozen)
     run = half.runs["run"]
     assert all(p.dtype == torch.float32 and p.requires_grad for p in run.params.values())
@@ -190,8 +186,8 @@ def test_the_activation_estimate_covers_a_bfloat16_base() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         engine = _engine(dtype)
         _create(engine, "run")
-        model = engine.bases[TINY]
-        causal = _causal_lm(model)
+        base = engine.bases[TINY]
+        model = causal = base.model
         ids = torch.randint(3, VOCAB, (4, 96))
         storages: dict[int, int] = {}
 
@@ -201,7 +197,10 @@ def test_the_activation_estimate_covers_a_bfloat16_base() -> None:
             return t
 
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            base.slots.routed([engine.runs["run"].slot] * 4),
+        ):
             causal.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
         kept[dtype] = sum(n for ptr, n in storages.items() if ptr not in params)
         assert kept[dtype] < engine.activation_bytes(TINY, [96] * 4, backward=True)
@@ -238,13 +237,10 @@ def test_the_chunked_head_gives_the_plain_losses_and_gradients(loss_fn: str, k: 
 def _plain_forward_backward(
     engine: TrainerEngine, model_id: str, request: tp.ForwardBackwardRequest
 ) -> bytes:
-    """The reference: every position's float32 logits from the PEFT model's forward at once,
+    """The reference: every position's float32 logits from the model's own forward at once,
     then the loss on them (losses.compute), backward, output."""
     run = engine.runs[model_id]
-    model = engine.bases[run.base_model]
-    model.set_adapter(run.adapter)
-    for param in run.params.values():
-        param.requires_grad_(True)
+    base = engine.bases[run.base_model]
     tokens = [np.frombuffer(d.model_input[0].encoded_text.tokens, "<i4") for d in request.data]
     lengths = [len(t) for t in tokens]
     ids = torch.zeros((len(tokens), max(lengths)), dtype=torch.long)
@@ -256,7 +252,8 @@ def _plain_forward_backward(
         {name: torch.from_numpy(np.array(decode_tensor(t, name))) for name, t in d.items()}
         for d in (datum.loss_fn_inputs for datum in request.data)
     ]
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    with base.slots.routed([run.slot] * len(tokens)):
+        logits = base.model(input_ids=ids, attention_mask=mask).logits.float()
     result = losses.compute(
         request.loss_fn,
         [logits[i, :n] for i, n in enumerate(lengths)],
@@ -350,7 +347,7 @@ def test_a_datum_that_does_not_fit_alone_runs_with_activation_checkpointing(
     assert checkpointed < plain
     _tighten(tight, free=(checkpointed + plain) // 2)
     recomputed = _count_mlp_calls(tight)
-    causal = _causal_lm(tight.bases[TINY])
+    causal = tight.bases[TINY].model
     modes = [m.training for m in causal.modules()]
 
     request = _request(5, (200,), "importance_sampling")
@@ -371,7 +368,7 @@ def _count_mlp_calls(engine: TrainerEngine) -> Callable[[], int]:
     """A counter of the decoder layers' MLP forwards from now on (wrapping ``forward`` itself:
     the recomputation in the backward pass calls it without the module's hooks)."""
     calls = [0]
-    for layer in _causal_lm(engine.bases[TINY]).get_decoder().layers:
+    for layer in engine.bases[TINY].model.get_decoder().layers:
         forward = layer.mlp.forward
 
         def counted(*args: object, forward: Callable[..., object] = forward) -> object:
@@ -408,8 +405,11 @@ def test_a_run_that_does_not_fit_is_refused_with_what_it_needs() -> None:
     )
     with pytest.raises(OutOfBudget, match=r"training run second .*TINSMITH_DEVICE_MEMORY_MB") as e:
         _create(engine, "second", rank=8)
-    assert e.value.short == engine.runs["first"].state_bytes - 1000
-    assert "second" not in engine.runs and len(engine.bases[TINY].peft_config) == 1
+    # Its gradients and AdamW state, and the place its rank class's stacks grow by (one: they
+    # held the first run's adapter alone).
+    place = engine.bases[TINY].slots.nbytes()
+    assert e.value.short == engine.runs["first"].state_bytes * 3 // 4 + place - 1000
+    assert "second" not in engine.runs and len(engine.bases[TINY].slots.ranks) == 1
 
 
 # -- out of memory --------------------------------------------------------------------------------
@@ -425,7 +425,7 @@ def test_running_out_of_device_memory_fails_the_request_alone() -> None:
     def exhausted(*_: object) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    layer = _causal_lm(hit.bases[TINY]).get_decoder().layers[1]
+    layer = hit.bases[TINY].model.get_decoder().layers[1]
     handle = layer.mlp.register_forward_hook(exhausted)
     with pytest.raises(Unavailable, match="ran out of memory during this forward_backward"):
         hit.forward_backward("run", _request(1, (7, 11)))
@@ -460,7 +460,8 @@ def test_on_a_cuda_device_the_engine_trains_there(tmp_path: Path) -> None:
         engine = TrainerEngine(models.default_cache_dir(), placement=placement)
         engine.init_compute_thread()
         _create(engine, "run", seed=5)
-        assert {p.device.type for p in engine.bases[TINY].parameters()} == {where}
+        assert {p.device.type for p in engine.bases[TINY].model.parameters()} == {where}
+        assert {p.device.type for p in engine.runs["run"].params.values()} == {where}
         engines[(where, dtype)] = engine
     request = _request(4, (9, 30, 5), "ppo")
     outputs = {key: _outputs(e.forward_backward("run", request)) for key, e in engines.items()}

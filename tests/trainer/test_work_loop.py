@@ -398,7 +398,7 @@ async def test_a_step_that_runs_out_of_device_memory_fails_alone(harness: Harnes
                 armed[0] = False
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-        model = engine.bases[models.TINY].get_base_model()
+        model = engine.bases[models.TINY].model
         model.get_decoder().layers[0].mlp.register_forward_hook(exhausted)
         failed, *done = await harness.settled(
             await harness.accept("squeezed", 1, forward_backward=_batch(1)),

@@ -1,0 +1,156 @@
+"""Fused training: forward_backward requests of different runs on one base model that are ready
+at the same time run as one pass of the engine (``TrainerEngine.forward_backward_together``).
+
+Owns: the forward_backward requests waiting for the compute thread, and which go together. Each
+run has at most one request in flight (its requests run in seq_id order), so while the compute
+thread works, the other runs' next requests gather here; when it is free, the one that waited
+longest goes, with every other waiting request on the same base model (and of the same kind:
+forward or forward_backward) up to ``token_budget`` tokens in all. Only requests of at most
+``request_tokens`` tokens are fused: past that a pass's cost grows faster than its rows on the
+CPU, and fusing stops paying (bench/fused_training.py: 1.45x at 16 tokens a request, 1.27x at
+64, 0.99x at 256, 0.67x at 1024, 4 runs of tinsmith/small on one thread). A request alone,
+or one the engine would not run together (it does not fit the memory budget in one pass, say),
+runs alone through ``alone`` (the handlers' path, which makes room on the device when it
+must). Nothing waits for company: a request that finds the thread free runs at once.
+
+Each request keeps its own outcome (an invalid or non-finite one fails alone) and its own trace:
+the fused pass's compute span is a child of the first request's, and names the runs it carried.
+
+Does not own: the torch math (engine.py), or a run's order of requests (handlers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from tinsmith import telemetry
+from tinsmith._proto import tinker_public_pb2 as tp
+from tinsmith.compute import ComputeThread
+
+from .engine import TrainerEngine
+
+
+@dataclass
+class Ask:
+    """A run's forward_backward (or forward), waiting for the compute thread."""
+
+    model_id: str
+    base_model: str
+    request: tp.ForwardBackwardRequest
+    tokens: int
+    attributes: telemetry.Attributes
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
+    future: asyncio.Future[bytes] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class Fuser:
+    def __init__(
+        self,
+        compute: ComputeThread,
+        engine: TrainerEngine,
+        alone: Callable[[Ask], Awaitable[bytes]],
+        token_budget: int,
+        request_tokens: int,
+    ) -> None:
+        """``alone(ask)`` runs one request by itself; ``token_budget``: the most tokens of one
+        fused pass (0: never fuse); ``request_tokens``: the most tokens of a request that is
+        fused with others."""
+        self.compute = compute
+        self.engine = engine
+        self.alone = alone
+        self.token_budget = token_budget
+        self.request_tokens = request_tokens
+        self._waiting: list[Ask] = []
+        self._draining = False
+        self.fused_passes = 0  # passes that carried more than one run's request
+
+    async def forward_backward(self, ask: Ask) -> bytes:
+        """Run ``ask`` (with others, when they are ready together) and return its output."""
+        self._waiting.append(ask)
+        if not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await ask.future
+
+    def _take(self) -> list[Ask]:
+        """The request that waited longest, and the waiting requests that go with it."""
+        first = self._waiting[0]
+        group, tokens = [first], first.tokens
+        for ask in self._waiting[1:] if first.tokens <= self.request_tokens else []:
+            if (
+                ask.tokens <= self.request_tokens
+                and ask.base_model == first.base_model
+                and ask.request.forward_only == first.request.forward_only
+                and all(ask.model_id != other.model_id for other in group)
+                and tokens + ask.tokens <= self.token_budget
+            ):
+                group.append(ask)
+                tokens += ask.tokens
+        self._waiting = [ask for ask in self._waiting if ask not in group]
+        return group
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                group = self._take()
+                pending = [ask for ask in group if not ask.future.done()]  # cancelled: skip
+                if len(pending) > 1:
+                    pending = await self._together(pending)
+                for ask in pending:
+                    await self._settle(ask, self.alone(ask))
+        finally:
+            self._draining = False
+
+    async def _together(self, group: list[Ask]) -> list[Ask]:
+        """Run ``group`` as one pass; return the requests left to run alone."""
+        first = group[0]
+        attributes = {
+            **first.attributes,
+            "tinsmith.fused_runs": len(group),
+            "tinsmith.fused_models": ",".join(ask.model_id for ask in group),
+            "tinsmith.tokens": sum(ask.tokens for ask in group),
+        }
+        op = "forward" if first.request.forward_only else "forward_backward"
+        work = self.compute.traced(
+            op,
+            attributes,
+            self.engine.forward_backward_together,
+            [(ask.model_id, ask.request) for ask in group],
+        )
+        try:
+            results = await asyncio.get_running_loop().create_task(work, context=first.context)
+        except Exception:
+            return group  # alone, each fails (or not) on its own
+        left = []
+        if sum(result is not None for result in results) > 1:
+            self.fused_passes += 1
+        for ask, result in zip(group, results, strict=True):
+            if result is None:
+                left.append(ask)
+            elif ask.future.done():
+                continue
+            elif isinstance(result, Exception):
+                ask.future.set_exception(result)
+            else:
+                ask.future.set_result(result)
+        return left
+
+    async def _settle(self, ask: Ask, work: Awaitable[bytes]) -> None:
+        """Run ``work`` in the request's own context and hand its outcome to the request."""
+
+        async def run() -> bytes:
+            return await work
+
+        try:
+            result = await asyncio.get_running_loop().create_task(run(), context=ask.context)
+        except Exception as exc:
+            if not ask.future.done():
+                ask.future.set_exception(exc)
+            return
+        if not ask.future.done():
+            ask.future.set_result(result)
