@@ -1,11 +1,12 @@
-"""The duty-cycle picture: how busy the trainer and the sampler are with 1, 2 and 3 concurrent RL
-jobs on one system, from the spans the services export.
+"""The duty-cycle picture: how busy the trainer and the sampler are with 1, 2, 4 and 8 concurrent
+RL jobs on one system, from the spans the services export.
 
 One run starts a loopback OTLP receiver (bench.otlp) and ``tinsmith up`` on a free port, with its
 own temporary data directory, exporting every service's spans to that receiver. Then, against
-that one system, it runs three phases: 1, then 2, then 3 RL jobs at once, each measured over the
-same length of wall-clock time. A job is an independent program using the official tinker SDK
-(its own ``ServiceClient``, session and LoRA run) in a thread of this process; each of its steps
+that one system, it runs a phase per ``--jobs`` count: 1, then 2, 4 and 8 RL jobs at once, each
+measured over the same length of wall-clock time. A job is an independent program using the
+official tinker SDK (its own ``ServiceClient``, session and LoRA run) in a thread of this
+process; each of its steps
 
 1. saves its weights and gets a sampling client on them (``save_weights_and_get_sampling_client``),
 2. samples a group of G completions of T tokens for a random P-token prompt (``stop=[]``, so each
@@ -24,13 +25,15 @@ per operation; ``tinsmith-sampler``: one per sample request from its admission i
 batch to its last token, overlapping, and one per adapter load). An engine's busy timeline is the
 union of its ``compute`` spans, and its utilisation in a phase is the share of the phase's window
 that this union covers. The run prints, for each phase, the utilisation of both engines, the
-steps completed inside the window and steps per second, and the ratio of the trainer's
-utilisation with 3 jobs to that with 1 job (the target: at least 2). It draws both timelines for
-the three phases, each job's grader waits under them, into one PNG (``docs/duty-cycle.png``).
+steps completed inside the window, steps per second and their ratio to the first phase's, and
+the slowest job's mean step time over the fastest's; then issue 17's targets: steps per second
+with 8 jobs at least 5 times one job's, the trainer busy at least 80% of the time with 8 jobs,
+and no job's mean step more than 1.25 times another's in a phase. It draws both timelines for
+every phase, each job's grader waits under them, into one PNG (``docs/duty-cycle.png``).
 
     .venv/bin/python -m bench.duty_cycle [--model tinsmith/small] [--phase-seconds 40]
         [--reward-delay 2] [--reward-jitter 0.25] [--group 8] [--prompt 32] [--tokens 8]
-        [--jobs 1 2 3] [--no-stagger] [--out docs/duty-cycle.png] [--spans FILE]
+        [--jobs 1 2 4 8] [--no-stagger] [--out docs/duty-cycle.png] [--spans FILE]
 
 How a phase is measured:
 - Before the phases, two unmeasured steps of one job load the base model into both engines and
@@ -44,8 +47,8 @@ How a phase is measured:
   the sampler and every phase starts from the same state.
 
 The model is ``tinsmith/small``: on two cores a SmolLM2-135M step of this shape takes about 12 s
-(6 s sampling, 6 s training), too long for three phases of several steps each in a few minutes.
-The default run takes about 3 minutes.
+(6 s sampling, 6 s training), too long for four phases of several steps each in a few minutes.
+The default run takes about 4 minutes.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import argparse
 import dataclasses
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -79,8 +83,13 @@ from tinsmith.child import UpProcess, sigterm_as_interrupt
 TRAINER = "tinsmith-trainer"
 SAMPLER = "tinsmith-sampler"
 COMPUTE = "compute"
-JOB_COUNTS = [1, 2, 3]
-TARGET_RATIO = 2.0
+JOB_COUNTS = [1, 2, 4, 8]
+# Issue 17's targets: steps per second keep growing with the jobs (the most jobs at least this
+# many times one job's), the trainer busy at least this share of the time with the most jobs,
+# and in every phase the slowest job's mean step at most this many times the fastest's.
+TARGET_SPEEDUP = 5.0
+TARGET_TRAINER_SHARE = 0.8
+TARGET_FAIRNESS = 1.25
 DEFAULT_MODEL = models.SMALL
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "duty-cycle.png"
 API_KEY = "tml-duty-cycle"
@@ -272,6 +281,17 @@ class Phase:
         return utilisation(self.trainer, self.window)
 
     @property
+    def fairness(self) -> float:
+        """The slowest job's mean step time over the fastest's, from the steps that ended in
+        the window (1.0 with one job, or none to compare)."""
+        means = [
+            statistics.mean((s.end_ns - s.start_ns) / NS for s in ended)
+            for ended in ([s for s in job if s.end_ns <= self.window[1]] for job in self.steps)
+            if ended
+        ]
+        return max(means) / min(means) if len(means) > 1 else 1.0
+
+    @property
     def sampler_share(self) -> float:
         return utilisation(self.sampler, self.window)
 
@@ -433,20 +453,32 @@ def render(phases: Sequence[Phase], shape: JobShape, out: Path) -> None:
 
 
 def report(phases: Sequence[Phase]) -> None:
-    """Print the table the README quotes, and the trainer's ratio, last phase to first."""
-    print("\njobs  window s  steps  steps/s  trainer  sampler")
+    """Print the table the README quotes, and the targets: the last phase's steps per second
+    against the first's, its trainer share, and each phase's slowest job against its fastest."""
+    first = phases[0]
+    base = first.steps_done / first.seconds
+    print("\njobs  window s  steps  steps/s  x first  trainer  sampler  slowest/fastest job")
     for phase in phases:
+        rate = phase.steps_done / phase.seconds
         print(
-            f"{phase.jobs:>4}  {phase.seconds:>8.1f}  {phase.steps_done:>5}  "
-            f"{phase.steps_done / phase.seconds:>7.3f}  {phase.trainer_share:>7.1%}  "
-            f"{phase.sampler_share:>7.1%}"
+            f"{phase.jobs:>4}  {phase.seconds:>8.1f}  {phase.steps_done:>5}  {rate:>7.3f}  "
+            f"{rate / base if base else float('nan'):>7.2f}  {phase.trainer_share:>7.1%}  "
+            f"{phase.sampler_share:>7.1%}  {phase.fairness:>19.2f}"
         )
-    first, last = phases[0], phases[-1]
-    ratio = last.trainer_share / first.trainer_share if first.trainer_share else float("nan")
-    verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
+    last = phases[-1]
+    speedup = (last.steps_done / last.seconds) / base if base else float("nan")
+    worst = max(phase.fairness for phase in phases)
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "NOT met"
+
     print(
-        f"\ntrainer utilisation, {last.jobs} jobs / {first.jobs} job: {ratio:.2f} "
-        f"(target >= {TARGET_RATIO:g}: {verdict})"
+        f"\nsteps/s, {last.jobs} jobs / {first.jobs}: {speedup:.2f} (target >= "
+        f"{TARGET_SPEEDUP:g}: {verdict(speedup >= TARGET_SPEEDUP)}); trainer busy with "
+        f"{last.jobs} jobs: {last.trainer_share:.0%} (target >= {TARGET_TRAINER_SHARE:.0%}: "
+        f"{verdict(last.trainer_share >= TARGET_TRAINER_SHARE)}); slowest job's mean step / "
+        f"fastest's, worst phase: {worst:.2f} (target <= {TARGET_FAIRNESS:g}: "
+        f"{verdict(worst <= TARGET_FAIRNESS)})"
     )
 
 
@@ -479,7 +511,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=JOB_COUNTS,
-        help="concurrent jobs of each phase, in order (default 1 2 3)",
+        help="concurrent jobs of each phase, in order (default 1 2 4 8)",
     )
     parser.add_argument(
         "--no-stagger",

@@ -36,11 +36,17 @@ vocabulary, passed as ids (the SDK's tokenizer is never loaded).
    session before its first request. It is split from the event log too: the trainer's save
    request, and the sampler's time (``compute_seconds``) of the first sample against the warm one.
 
+4. Adapters held: the sampler holding 1, then 8, then 64 (``--held``) adapters (named sampler
+   checkpoints of the first run, each its own adapter in the sampler, loaded by a one-token
+   sample each), the median time of a request of one sequence of T tokens through the first
+   adapter, and the ratio to the time with 1 held (the target: at most 1.1 at 64). The counts
+   only grow, so they cannot alternate: the per-round values are printed to judge the noise by.
+
 Part 1 runs before any adapter exists; the sampler's LoRA layer (services/lora_slots.py) is
 installed on the base from its load, and a base-model row never computes an adapter's path.
 
     .venv/bin/python -m bench.sample_throughput [--model M] [--batch 16] [--prompt 32]
-        [--tokens 64] [--rounds 5]
+        [--tokens 64] [--rounds 5] [--held 1 8 64]
 
 The model is SmolLM2 by default (converted offline from its GGUF on first use, some seconds);
 ``--model tinsmith/small`` runs the same in a fraction of the time. On two cores the default run
@@ -277,6 +283,36 @@ def hand_off(run: tinker.TrainingClient, model: str, prompt: np.ndarray, step: i
     return HandOff(saved - start, first - saved, warm - first, _sampler_id(client))
 
 
+# --- 4. adapters held ---------------------------------------------------------------------------
+
+
+def adapters_held(
+    service: tinker.ServiceClient,
+    run: tinker.TrainingClient,
+    prompt: np.ndarray,
+    tokens: int,
+    counts: Sequence[int],
+    rounds: int,
+) -> dict[int, list[float]]:
+    """Per count of adapters held, the seconds of ``rounds`` requests (one sequence of
+    ``tokens`` tokens) through the first of them."""
+    paths = [run.save_weights_for_sampler(f"held-{i}").result().path for i in range(max(counts))]
+    clients = [service.create_sampling_client(model_path=path) for path in paths]
+    one = types.ModelInput.from_ints(prompt.tolist())
+    times: dict[int, list[float]] = {}
+    for count in sorted(counts):
+        for client in clients[:count]:  # each loaded in the sampler
+            client.sample(one, 1, types.SamplingParams(max_tokens=1, seed=0)).result()
+        into = times[count] = []
+        for seed in range(rounds + 1):
+            start = time.perf_counter()
+            params = types.SamplingParams(max_tokens=tokens, stop=[], seed=seed)
+            clients[0].sample(one, 1, params).result()
+            if seed:  # the first warms up
+                into.append(time.perf_counter() - start)
+    return times
+
+
 # --- where the system's time goes, from the event log -------------------------------------------
 
 
@@ -396,6 +432,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="measured rounds (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds (default 1)")
     parser.add_argument(
+        "--held",
+        type=int,
+        nargs="+",
+        default=[1, 8, 64],
+        help="adapters the sampler holds in part 4, in turn (default 1 8 64)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=max(1, (os.cpu_count() or 2) // 2),
@@ -493,6 +536,9 @@ def measure(
     out["throughput_segments"] = throughput_segments(requests, _sampler_id(base), measured)
     out["hand_off_segments"] = hand_off_segments(requests, out["hand_offs"])
     out["load"].append(os.getloadavg()[0])
+    # 4. adapters held
+    out["held"] = adapters_held(service, runs[0], prompt, args.tokens, args.held, args.rounds)
+    out["load"].append(os.getloadavg()[0])
 
 
 def _rounded(values: list[float], digits: int) -> str:
@@ -555,6 +601,23 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     print("  from the event log:")
     for name, value in out["hand_off_segments"]:
         print(f"    {name:<60} {value:8.3f}")
+
+    held: dict[int, list[float]] = out["held"]
+    fewest = min(held)
+    print()
+    print(
+        f"4. adapters held in the sampler: a request of one sequence of {args.tokens} tokens "
+        f"through one of them, median seconds over {args.rounds} rounds"
+    )
+    for count, values in sorted(held.items()):
+        ratio = statistics.median(values) / statistics.median(held[fewest])
+        print(
+            f"  {count:>3} held {statistics.median(values):8.3f} s   x{ratio:.2f} of {fewest} held"
+            f"   rounds: {_rounded(values, 3)}"
+        )
+    print(
+        f"  (target: at most 1.1x with 64 held) load average after this part: {out['load'][3]:.1f}"
+    )
     print(f"\nload average at the end {os.getloadavg()[0]:.1f} (other processes slow both sides)")
 
 

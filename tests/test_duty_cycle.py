@@ -90,6 +90,18 @@ def test_the_phase_reports_its_shares_and_the_steps_inside_its_window() -> None:
     assert late.steps_done == 4  # a step that ends after the window is not counted
 
 
+def test_fairness_is_the_slowest_job_s_mean_step_over_the_fastest_s() -> None:
+    window = (0, 10 * NS)
+    # Steps of 2 s and 2 s (mean 2), of 3 s (mean 3); one that ends after the window: not counted.
+    steps = [
+        [Step(0, (0, 0), 2 * NS), Step(2 * NS, (0, 0), 4 * NS)],
+        [Step(0, (0, 0), 3 * NS), Step(3 * NS, (0, 0), 11 * NS)],
+    ]
+    assert Phase(2, window, steps).fairness == pytest.approx(1.5)
+    assert Phase(1, window, steps[:1]).fairness == 1.0
+    assert Phase(2, window, [steps[0], []]).fairness == 1.0  # nothing to compare with
+
+
 def test_the_picture_is_a_small_png(tmp_path: Path) -> None:
     phases = [_phase(1, 0, 2.5), _phase(2, 100 * NS, 1.25), _phase(3, 200 * NS, 1.0)]
     out = tmp_path / "duty.png"
