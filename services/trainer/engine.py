@@ -772,7 +772,7 @@ class TrainerEngine:
         named = {name: p.grad for name, p in run.params.items() if p.grad is not None}
         params = [run.params[name] for name in named]
         grads = list(named.values())
-        broken = [name for name, g in named.items() if not bool(torch.isfinite(g).all())]
+        broken = _not_finite(dict(named))  # one device sync for every tensor
         if broken:
             raise Unprocessable(
                 f"the gradients accumulated since the last optim_step are not finite in "
@@ -817,7 +817,7 @@ class TrainerEngine:
                 if "overflow" not in str(exc):
                     raise
                 raise Unprocessable(f"this step would make the adapter {refusal}") from exc
-            broken = [name for name in named if not bool(torch.isfinite(run.params[name]).all())]
+            broken = _not_finite({name: run.params[name].detach() for name in named})
             if broken:
                 raise Unprocessable(
                     f"this step would make {len(broken)} of {len(named)} adapter tensors (first: "
@@ -835,8 +835,11 @@ class TrainerEngine:
                 param.grad = g
             raise
         run.optimizer.zero_grad(set_to_none=True)
-        moved = [(p.detach() - b).pow(2).sum() for p, b in zip(params, before, strict=True)]
-        update = math.sqrt(float(torch.stack(moved).sum())) if moved else 0.0
+        if params:
+            moved = torch._foreach_sub([p.detach() for p in params], before)
+            update = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moved))))
+        else:
+            update = 0.0
         return {
             "grad_norm:mean": float(norm),
             "learning_rate:mean": adam.learning_rate,
