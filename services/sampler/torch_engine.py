@@ -948,17 +948,44 @@ class TorchEngine:
                     self._fail(request, _nonfinite(request, batch.logits[broken], at), finished)
         raw = torch.log_softmax(batch.logits, dim=-1)
         chosen = torch.zeros(len(batch.rows), dtype=torch.long, device=where)
-        for request, where_rows in places.items():
-            if request.gone:
-                continue
-            index = torch.tensor(where_rows, dtype=torch.long, device=where)
-            generators = [batch.rows[p].generator for p in where_rows]
-            try:
-                chosen[index] = _choose(
-                    batch.logits[index], peak[index], request.command.params, generators
+        # The rows of requests with the same sampling parameters are chosen in one call (each
+        # row still draws from its own generator): per-call work, not rows, is most of it. If
+        # that call raises, each request of it is chosen alone from where its generators were,
+        # so that only the one that raises fails, with the others' draws as they would be.
+        alike: dict[tuple[float, int, float], list[_Request]] = {}
+        for request in places:
+            if not request.gone:
+                params = request.command.params
+                alike.setdefault((params.temperature, params.top_k, params.top_p), []).append(
+                    request
                 )
+        for requests in alike.values():
+            rows = [p for request in requests for p in places[request]]
+            generators = [batch.rows[p].generator for p in rows]
+            states = [g.get_state() for g in generators] if len(requests) > 1 else []
+            try:
+                index = torch.tensor(rows, dtype=torch.long, device=where)
+                params = requests[0].command.params
+                chosen[index] = _choose(batch.logits[index], peak[index], params, generators)
+                continue
             except Exception as exc:
-                self._fail(request, self._failure(exc, "sampling"), finished)
+                if len(requests) == 1:
+                    self._fail(requests[0], self._failure(exc, "sampling"), finished)
+                    continue
+            for generator, state in zip(generators, states, strict=True):
+                generator.set_state(state)
+            for request in requests:
+                own = places[request]
+                index = torch.tensor(own, dtype=torch.long, device=where)
+                try:
+                    chosen[index] = _choose(
+                        batch.logits[index],
+                        peak[index],
+                        request.command.params,
+                        [batch.rows[p].generator for p in own],
+                    )
+                except Exception as exc:
+                    self._fail(request, self._failure(exc, "sampling"), finished)
         chosen_lp = raw.gather(-1, chosen[:, None])[:, 0].tolist()
         widest = max(row.request.command.topk_sample_logprobs for row in batch.rows)
         top = None

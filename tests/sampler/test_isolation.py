@@ -167,7 +167,9 @@ def test_a_request_that_raises_while_it_decodes_fails_alone(
     monkeypatch.setattr(torch, "multinomial", faulty)
     outcome, beside, alone = _with_and_without(engine, bad)
     assert isinstance(outcome, RuntimeError) and "injected" in str(outcome)
-    assert max(draws.values()) == 3  # it failed mid-way, after two tokens
+    # It failed mid-way, at its third token (drawn once more when the requests sampled with
+    # the same parameters were chosen again one by one to find which one raised).
+    assert max(draws.values()) in (3, 4)
     assert beside == alone
 
 
