@@ -15,13 +15,15 @@ doubling when none is free; unloading frees the place. No module is added or rem
 
 A forward runs inside ``Slots.routed(row_slots)``: row ``i`` of the batch uses slot
 ``row_slots[i]``, or no adapter for ``NO_ADAPTER``. Each wrapped module computes the base output,
-then, for the rows that have an adapter on this module only, gathers them in slot order and
-computes ``(x @ A[s]^T) @ B[s]^T * scale[s]`` for every slot of a rank class in one call:
-torch's grouped matmul (``torch._grouped_mm``, with the rows' offsets per slot) where it runs
-float32, else a plain matmul per slot. A base-model row costs nothing more than the base; a
-step's cost follows the rows and the distinct adapters and rank classes in the batch, not the
-adapters loaded. The arithmetic is PEFT's: the input cast to float32, the delta added to the
-base output, the sum cast back to the base's dtype.
+then, for the rows that have an adapter on this module only, takes them (as views where each
+slot's rows are one range, as in a trainer's pass; else gathered in slot order) and computes
+``(x @ A[s]^T) @ (B[s] * scale[s])^T`` for every slot of a rank class in one call: torch's
+grouped matmul (``torch._grouped_mm``, with the rows' offsets per slot) where it runs float32,
+else a plain matmul per slot. A base-model row costs nothing more than the base; a step's cost
+follows the rows and the distinct adapters and rank classes in the batch, not the adapters
+loaded. The arithmetic is PEFT's but for where the scale goes (on B, a small tensor, not on
+every row's delta: float32 rounding apart, the same): the input cast to float32, the delta added
+to the base output, the sum cast back to the base's dtype.
 
 For training, ``Slots.bind`` gives a slot's adapter as float32 ``nn.Parameter``s of its own rank
 that alias its places in the stacks (re-pointed when the stacks grow or are packed): an
@@ -513,12 +515,17 @@ def peft_weights(state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]
     return {path: (parts["A"], parts["B"]) for path, parts in found.items()}
 
 
+def peft_key(path: str, part: str) -> str:
+    """PEFT's adapter-neutral state-dict key of a module's ``A`` or ``B`` (``part``)."""
+    return _PEFT_PREFIX + path + _PEFT_SUFFIXES[part]
+
+
 def to_peft(weights: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
     """``{module path: (A, B)}`` as a PEFT state dict."""
     state = {}
     for path, (a, b) in weights.items():
-        state[_PEFT_PREFIX + path + _PEFT_SUFFIXES["A"]] = a
-        state[_PEFT_PREFIX + path + _PEFT_SUFFIXES["B"]] = b
+        state[peft_key(path, "A")] = a
+        state[peft_key(path, "B")] = b
     return state
 
 

@@ -429,7 +429,7 @@ class TrainerEngine:
         slot = base.slots.load(zeros, rank, lora_layout.ALPHA / rank)
         try:
             params = {
-                _peft_name(path, part): param
+                lora_slots.peft_key(path, part): param
                 for path, pair in base.slots.bind(slot).items()
                 for part, param in zip("AB", pair, strict=True)
             }
@@ -1000,11 +1000,6 @@ def _output(result: losses.LossResult, datums: int) -> bytes:
     for key, value in result.metrics.items():
         out.metrics[key] = value
     return out.SerializeToString()
-
-
-def _peft_name(path: str, part: str) -> str:
-    """PEFT's adapter-neutral name of a module's ``A`` or ``B`` (what checkpoints key by)."""
-    return f"base_model.model.{path}.lora_{part}.weight"
 
 
 def _initialise(params: dict[str, torch.nn.Parameter], seed: int) -> None:

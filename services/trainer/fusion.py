@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from tinsmith import telemetry
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -33,7 +34,7 @@ from tinsmith.compute import ComputeThread
 from .engine import TrainerEngine
 
 
-@dataclass
+@dataclass(eq=False)  # one request: equal only to itself
 class Ask:
     """A run's forward_backward (or forward), waiting for the compute thread."""
 
@@ -53,7 +54,7 @@ class Fuser:
         self,
         compute: ComputeThread,
         engine: TrainerEngine,
-        alone: Callable[[Ask], Awaitable[bytes]],
+        alone: Callable[[Ask], Coroutine[Any, Any, bytes]],
         token_budget: int,
         request_tokens: int,
     ) -> None:
@@ -102,7 +103,7 @@ class Fuser:
                 if len(pending) > 1:
                     pending = await self._together(pending)
                 for ask in pending:
-                    await self._settle(ask, self.alone(ask))
+                    await self._settle(ask)
         finally:
             self._draining = False
 
@@ -140,14 +141,11 @@ class Fuser:
                 ask.future.set_result(result)
         return left
 
-    async def _settle(self, ask: Ask, work: Awaitable[bytes]) -> None:
-        """Run ``work`` in the request's own context and hand its outcome to the request."""
-
-        async def run() -> bytes:
-            return await work
-
+    async def _settle(self, ask: Ask) -> None:
+        """Run the request alone, in its own context, and hand it its outcome."""
         try:
-            result = await asyncio.get_running_loop().create_task(run(), context=ask.context)
+            work = self.alone(ask)
+            result = await asyncio.get_running_loop().create_task(work, context=ask.context)
         except Exception as exc:
             if not ask.future.done():
                 ask.future.set_exception(exc)
