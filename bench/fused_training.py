@@ -6,9 +6,9 @@ Two engines (services/trainer/engine.py) on the same base model hold the same N 
 adapters on the attention and MLP projections and ``lm_head``, each its own seed). A step of
 all N runs is, on one engine, each run's ``forward_backward`` then ``optim_step`` one after
 another (what the trainer did before fusing), and on the other one ``forward_backward_together``
-of the N requests then the N ``optim_step``s. Both engines run the same requests (each run
-``--datums`` datums of ``--tokens`` tokens, cross-entropy), alternating step by step so that the
-machine's noise falls on both alike, after one unmeasured warm-up step each.
+of the N requests then one ``optim_step_together`` of the N runs. Both engines run the same
+requests (each run ``--datums`` datums of ``--tokens`` tokens, cross-entropy), alternating step
+by step so that the machine's noise falls on both alike, after one unmeasured warm-up step each.
 
 1. For 1, 4 and 16 runs (``--runs``): the median step time of each way, run-steps per second,
    trained tokens per second, and the ratio fused / one after another (the target on the CPU:
@@ -16,6 +16,9 @@ machine's noise falls on both alike, after one unmeasured warm-up step each.
 2. Where fusing stops paying: 4 runs with ``--sizes`` datums of ``--size-tokens`` tokens each,
    the same ratio per size, and the per-run batch size at which it first falls under 1.1 (the
    trainer fuses only requests smaller than that: ``TINSMITH_TRAINER_FUSE_REQUEST_TOKENS``).
+3. The optim_steps alone: for each of ``--runs``, the median time of the N runs' ``optim_step``s
+   one after another and of one ``optim_step_together``, after the same forward_backwards
+   (unmeasured), and their ratio.
 
 One run (1 or 16 runs alike) has nothing to fuse with: its ratio is the overhead of the fused
 path, 1.0 within the noise.
@@ -87,8 +90,42 @@ def _fused(engine: TrainerEngine, asks: list[tuple[str, tp.ForwardBackwardReques
     missing = [model_id for (model_id, _), out in zip(asks, results, strict=True) if out is None]
     if missing or not all(isinstance(out, bytes) for out in results):
         raise SystemExit(f"the engine did not fuse the pass: {results!r:.300}")
-    for model_id, _ in asks:
+    _step_together(engine, [model_id for model_id, _ in asks])
+
+
+def _steps_alone(engine: TrainerEngine, model_ids: list[str]) -> None:
+    for model_id in model_ids:
         engine.optim_step(model_id, ADAM)
+
+
+def _step_together(engine: TrainerEngine, model_ids: list[str]) -> None:
+    if len(model_ids) == 1:
+        _steps_alone(engine, model_ids)
+        return
+    results = engine.optim_step_together([(model_id, ADAM) for model_id in model_ids])
+    if not all(isinstance(metrics, dict) for metrics in results):
+        raise SystemExit(f"the engine did not step the runs together: {results!r:.300}")
+
+
+def _compare_steps(model: str, runs: int, steps: int, threads: int) -> tuple[float, float]:
+    """Median seconds of the runs' optim_steps, one after another and together."""
+    vocab = models.get(model).vocab_size
+    alone, together = _engine(model, runs, threads), _engine(model, runs, threads)
+    times: dict[str, list[float]] = {"alone": [], "together": []}
+    for step in range(steps + 1):
+        asks = [(f"run-{n}", _request(1000 * step + n, 1, 16, vocab)) for n in range(runs)]
+        ids = [model_id for model_id, _ in asks]
+        for name, engine, way in (
+            ("alone", alone, _steps_alone),
+            ("together", together, _step_together),
+        ):
+            for model_id, request in asks:
+                engine.forward_backward(model_id, request)
+            started = time.perf_counter()
+            way(engine, ids)
+            if step:
+                times[name].append(time.perf_counter() - started)
+    return statistics.median(times["alone"]), statistics.median(times["together"])
 
 
 def _compare(
@@ -156,6 +193,14 @@ def main() -> None:
         print("fusing paid (>= 1.1x) at every size measured")
     else:
         print(f"fusing stops paying (< 1.1x) at {stops} tokens per run")
+    print("\n3. optim_steps: the runs' steps one after another and as one AdamW step")
+    print(f"{'runs':>5} {'alone ms':>9} {'together ms':>12} {'ratio':>6}")
+    for runs in args.runs:
+        alone, together = _compare_steps(args.model, runs, args.steps, args.threads)
+        print(
+            f"{runs:>5} {alone * 1e3:>9.1f} {together * 1e3:>12.1f} {alone / together:>6.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -53,6 +53,14 @@ class ComputeThread:
         )
         self._device = device
         self.gpu_clock = gpu_clock
+        self._pending = 0  # work submitted and not yet done
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def idle(self) -> None:
+        """Return once no work is running on the thread or waiting for it."""
+        while self._pending:
+            await self._idle.wait()
 
     async def run(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Run ``fn`` on the compute thread and await its result."""
@@ -75,7 +83,14 @@ class ComputeThread:
         # The current context goes along, so a span started on the thread has the right parent.
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
-        return await loop.run_in_executor(self._executor, context.run, call)
+        self._pending += 1
+        self._idle.clear()
+        try:
+            return await loop.run_in_executor(self._executor, context.run, call)
+        finally:
+            self._pending -= 1
+            if not self._pending:
+                self._idle.set()
 
     def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         started = time.perf_counter()

@@ -79,6 +79,7 @@ from tinsmith.tensors import batched, decode_tensor, model_input_tokens
 from . import losses
 
 _T = TypeVar("_T")
+_K = TypeVar("_K")
 
 # The float32 logits the LM head computes at a time (a chunk of positions): what the loss holds
 # at once whatever the sequence length, instead of every position's (a 4096-token sequence of a
@@ -765,86 +766,95 @@ class TrainerEngine:
         as they were, when the gradients or their norm are not finite, or when the step would
         make a weight non-finite (a learning rate far too large, say); the same when the device
         runs out of memory (``Unavailable``)."""
-        return self._on_device("optim_step", self._optim_step, model_id, adam)
+        self._run(model_id)
+        (result,) = self._on_device("optim_step", self._optim_steps, [(model_id, adam)])
+        if isinstance(result, Exception):
+            raise result
+        assert result is not None  # one run is never handed back
+        return result
 
-    def _optim_step(self, model_id: str, adam: bus.AdamParams) -> dict[str, float]:
-        run = self._run(model_id)
-        named = {name: p.grad for name, p in run.params.items() if p.grad is not None}
-        params = [run.params[name] for name in named]
-        grads = list(named.values())
-        broken = _not_finite(dict(named))  # one device sync for every tensor
-        if broken:
-            raise Unprocessable(
-                f"the gradients accumulated since the last optim_step are not finite in "
-                f"{len(broken)} of {len(named)} adapter tensors (first: "
-                f"{broken[0]}); the step was not taken"
-            )
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if not bool(torch.isfinite(norm)):
-            raise Unprocessable(
-                "the norm of the gradients accumulated since the last optim_step overflows "
-                "(they are astronomically large: a loss scaled far too high, or weights or "
-                "advantages of 1e19 and more?); the step was not taken"
-            )
-        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
-        if math.isfinite(max_norm):  # as clip_grad_norm_ does, on copies: a refusal restores
-            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for param, g in zip(params, grads, strict=True):
-                param.grad = g * scale
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
-        state = {
-            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-            for p, s in run.optimizer.state.items()
-        }
-        before = [p.detach().clone() for p in params]
-        for group in run.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        lr = adam.learning_rate
-        cause = "is not finite" if not math.isfinite(lr) else "is far too large for these gradients"
-        refusal = (
-            f"non-finite: the learning rate {lr:g} {cause} (norm {float(norm):g}); the step was "
-            "not taken"
-        )
+    def optim_step_together(
+        self, asks: Sequence[tuple[str, bus.AdamParams]]
+    ) -> list[dict[str, float] | Exception | None]:
+        """Several runs' optim_steps as one: torch's AdamW over every run's parameters at once,
+        one parameter group per set of hyperparameters, each parameter with its own run's state
+        and step count, so each run's weights and AdamW state are what ``optim_step`` gives it
+        alone. The checks before and after the step take one device sync for all the runs.
+
+        For each request, in order: its metrics; the error that refuses it alone (its run is as
+        it was); or None where it was not run and is to be run alone with ``optim_step``: its
+        run is not loaded here or is named twice, the copies that make the steps undoable do
+        not fit what is free of the budget together, or the device ran out of memory."""
+        try:
+            return self._on_device("optim_step", self._optim_steps, asks)
+        except Unavailable:
+            return [None] * len(asks)
+
+    def _optim_steps(
+        self, asks: Sequence[tuple[str, bus.AdamParams]]
+    ) -> list[dict[str, float] | Exception | None]:
+        results: list[dict[str, float] | Exception | None] = [None] * len(asks)
+        taken: list[tuple[int, Run, bus.AdamParams]] = []
+        free = self.free_bytes()
+        for k, (model_id, adam) in enumerate(asks):
+            run = self.runs.get(model_id)
+            if run is None or any(run is other for _, other, _ in taken):
+                continue
+            copies = _STEP_COPIES * run.state_bytes // _RUN_COPIES
+            if taken and copies > free:
+                continue
+            free -= copies
+            taken.append((k, run, adam))
+        steps: list[tuple[int, _Step]] = []
+        for k, outcome in zip(
+            [k for k, _, _ in taken], _begin_steps([(r, a) for _, r, a in taken]), strict=True
+        ):
+            if isinstance(outcome, Exception):
+                results[k] = outcome
+            else:
+                steps.append((k, outcome))
+        if not steps:
+            return results
         try:
             try:
-                run.optimizer.step()
+                _adamw([step for _, step in steps])
             except RuntimeError as exc:  # torch refuses a step size beyond float32's range
                 if "overflow" not in str(exc):
                     raise
-                raise Unprocessable(f"this step would make the adapter {refusal}") from exc
-            broken = _not_finite({name: run.params[name].detach() for name in named})
-            if broken:
-                raise Unprocessable(
-                    f"this step would make {len(broken)} of {len(named)} adapter tensors (first: "
-                    f"{broken[0]}) {refusal}"
-                )
+                for _, step in steps:
+                    step.undo()
+                if len(steps) > 1:  # which run's? Each is taken again alone.
+                    for k, _ in steps:
+                        results[k] = None
+                else:
+                    k, step = steps[0]
+                    results[k] = Unprocessable(f"this step would make the adapter {step.refusal()}")
+                return results
+            moves = _moves([step for _, step in steps])
         except BaseException:
-            with torch.no_grad():
-                for param, weight in zip(params, before, strict=True):
-                    param.copy_(weight)
-            run.optimizer.state.clear()
-            run.optimizer.state.update(state)
-            for group, saved in zip(run.optimizer.param_groups, groups, strict=True):
-                group.update(saved)
-            for param, g in zip(params, grads, strict=True):
-                param.grad = g
+            for _, step in steps:
+                step.undo()
             raise
-        run.optimizer.zero_grad(set_to_none=True)
-        if params:
-            moved = torch._foreach_sub([p.detach() for p in params], before)
-            update = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(moved))))
-        else:
-            update = 0.0
-        return {
-            "grad_norm:mean": float(norm),
-            "learning_rate:mean": adam.learning_rate,
-            "update_norm:mean": update,
-        }
+        for (k, step), moved in zip(steps, moves, strict=True):
+            broken = [
+                n for n, size in zip(step.names, moved, strict=True) if not math.isfinite(size)
+            ]
+            if broken:
+                step.undo()
+                results[k] = Unprocessable(
+                    f"this step would make {len(broken)} of {len(step.names)} adapter tensors "
+                    f"(first: {broken[0]}) {step.refusal()}"
+                )
+                continue
+            step.run.optimizer.zero_grad(set_to_none=True)
+            for group in step.run.optimizer.param_groups:
+                group.update(step.hyperparameters())
+            results[k] = {
+                "grad_norm:mean": step.norm,
+                "learning_rate:mean": step.adam.learning_rate,
+                "update_norm:mean": math.hypot(*moved),
+            }
+        return results
 
     # -- export --------------------------------------------------------------------------------
 
@@ -882,6 +892,150 @@ class TrainerEngine:
         metadata = {"model_id": model_id, "base_model": run.base_model, "lora_rank": run.rank}
         (directory / artifacts.METADATA).write_text(json.dumps(metadata))
         return metadata
+
+
+@dataclass
+class _Step:
+    """A run's optim_step once its gradients passed the checks: the hyperparameters it is taken
+    with, its gradients' norm, and what undoes it (its weights, AdamW state and gradients as they
+    were before)."""
+
+    run: Run
+    adam: bus.AdamParams
+    names: list[str]
+    grads: list[torch.Tensor]  # as accumulated, before clipping
+    norm: float
+    before: list[torch.Tensor]
+    state: dict[torch.Tensor, dict[str, Any]]
+
+    @classmethod
+    def begin(
+        cls, run: Run, adam: bus.AdamParams, grads: dict[str, torch.Tensor], norm: torch.Tensor
+    ) -> _Step:
+        """Clip the run's gradients (on copies, as clip_grad_norm_ does, so that a refusal can
+        put them back) and save what undoes the step."""
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
+        if math.isfinite(max_norm):
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for name, g in grads.items():
+                run.params[name].grad = g * scale
+        state = {
+            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in run.optimizer.state.items()
+        }
+        before = [run.params[name].detach().clone() for name in grads]
+        return cls(run, adam, list(grads), list(grads.values()), float(norm), before, state)
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [self.run.params[name] for name in self.names]
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The step's AdamW parameter-group settings."""
+        adam = self.adam
+        return {
+            "lr": adam.learning_rate,
+            "betas": (adam.beta1, adam.beta2),
+            "eps": adam.eps,
+            "weight_decay": adam.weight_decay,
+        }
+
+    def refusal(self) -> str:
+        lr = self.adam.learning_rate
+        cause = "is not finite" if not math.isfinite(lr) else "is far too large for these gradients"
+        return (
+            f"non-finite: the learning rate {lr:g} {cause} (norm {self.norm:g}); the step was not "
+            "taken"
+        )
+
+    def undo(self) -> None:
+        """Put the run's weights, AdamW state and gradients back as they were."""
+        with torch.no_grad():
+            for param, weight in zip(self.params, self.before, strict=True):
+                param.copy_(weight)
+        self.run.optimizer.state.clear()
+        self.run.optimizer.state.update(self.state)
+        for param, g in zip(self.params, self.grads, strict=True):
+            param.grad = g
+
+
+def _begin_steps(asks: Sequence[tuple[Run, bus.AdamParams]]) -> list[_Step | Exception]:
+    """Each run's step begun (``_Step.begin``), or refused (``Unprocessable``) where the
+    gradients it accumulated since its last optim_step, or their norm, are not finite. One device
+    sync for all the runs when all is well."""
+    named = [
+        {name: p.grad for name, p in run.params.items() if p.grad is not None} for run, _ in asks
+    ]
+    norms = [torch.nn.utils.get_total_norm(list(g.values())) for g in named if g]
+    measured = iter(zip(norms, torch.stack(norms).tolist() if norms else [], strict=True))
+    outcomes: list[_Step | Exception] = []
+    for (run, adam), grads in zip(asks, named, strict=True):
+        if not grads:
+            outcomes.append(_Step(run, adam, [], [], 0.0, [], {}))
+            continue
+        norm, value = next(measured)
+        if math.isfinite(value):
+            outcomes.append(_Step.begin(run, adam, grads, norm))
+            continue
+        broken = _not_finite(dict(grads))
+        if broken:
+            outcomes.append(
+                Unprocessable(
+                    f"the gradients accumulated since the last optim_step are not finite in "
+                    f"{len(broken)} of {len(grads)} adapter tensors (first: {broken[0]}); the "
+                    "step was not taken"
+                )
+            )
+        else:
+            outcomes.append(
+                Unprocessable(
+                    "the norm of the gradients accumulated since the last optim_step overflows "
+                    "(they are astronomically large: a loss scaled far too high, or weights or "
+                    "advantages of 1e19 and more?); the step was not taken"
+                )
+            )
+    return outcomes
+
+
+def _adamw(steps: Sequence[_Step]) -> None:
+    """One AdamW step for every run of ``steps``: torch's AdamW over one parameter group per set
+    of hyperparameters, each parameter stepping with its own run's state (its moments and step
+    count), which is its run optimizer's again afterwards."""
+    groups: dict[tuple[Any, ...], tuple[dict[str, Any], list[torch.nn.Parameter]]] = {}
+    for step in steps:
+        settings = step.hyperparameters()
+        key = (settings["lr"], *settings["betas"], settings["eps"], settings["weight_decay"])
+        groups.setdefault(key, (settings, []))[1].extend(step.params)
+    together = [{"params": params, **settings} for settings, params in groups.values() if params]
+    if not together:
+        return
+    optimizer = torch.optim.AdamW(together)
+    for step in steps:
+        for param in step.params:
+            if param in step.run.optimizer.state:
+                optimizer.state[param] = step.run.optimizer.state[param]
+    optimizer.step()
+    for step in steps:
+        for param in step.params:
+            step.run.optimizer.state[param] = optimizer.state[param]
+
+
+def _moves(steps: Sequence[_Step]) -> list[list[float]]:
+    """For each step, the norm of its change to each of its run's weight tensors (one device sync
+    for all). A move is not finite exactly when the step made the tensor non-finite (or it was
+    so already): its new values are the old finite ones plus finite changes (short of float32's
+    largest, 3e38)."""
+    stepped = [step for step in steps if step.names]
+    if not stepped:
+        return [[] for _ in steps]
+    moved = torch._foreach_norm(
+        torch._foreach_sub(
+            [p.detach() for step in stepped for p in step.params],
+            [b for step in stepped for b in step.before],
+        )
+    )
+    norms = iter(torch.stack(moved).tolist())
+    return [[next(norms) for _ in step.names] for step in steps]
 
 
 def _optimizer_tensors(run: Run) -> dict[str, torch.Tensor]:
@@ -1058,7 +1212,7 @@ def _accumulate(
     return summed
 
 
-def _not_finite(tensors: dict[str, torch.Tensor | None]) -> list[str]:
+def _not_finite(tensors: Mapping[_K, torch.Tensor | None]) -> list[_K]:
     """The names of the tensors that hold a NaN or an infinity (one device sync for all)."""
     present = {n: t for n, t in tensors.items() if t is not None}
     if not present:

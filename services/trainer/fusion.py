@@ -1,20 +1,22 @@
-"""Fused training: forward_backward requests of different runs on one base model that are ready
-at the same time run as one pass of the engine (``TrainerEngine.forward_backward_together``).
+"""Fused training: the forward_backward requests of different runs on one base model that are
+ready at the same time run as one pass of the engine (``TrainerEngine.forward_backward_together``),
+and their optim_steps as one AdamW step (``TrainerEngine.optim_step_together``).
 
-Owns: the forward_backward requests waiting for the compute thread, and which go together. Each
-run has at most one request in flight (its requests run in seq_id order), so while the compute
-thread works, the other runs' next requests gather here; when it is free, the one that waited
-longest goes, with every other waiting request on the same base model (and of the same kind:
-forward or forward_backward) up to ``token_budget`` tokens in all. Only requests of at most
-``request_tokens`` tokens are fused: past that a pass's cost grows faster than its rows on the
-CPU, and fusing stops paying (bench/fused_training.py: 1.45x at 16 tokens a request, 1.27x at
-64, 0.99x at 256, 0.67x at 1024, 4 runs of tinsmith/small on one thread). A request alone,
-or one the engine would not run together (it does not fit the memory budget in one pass, say),
-runs alone through ``alone`` (the handlers' path, which makes room on the device when it
-must). Nothing waits for company: a request that finds the thread free runs at once.
+Owns: the requests waiting for the compute thread, and which go together. Each run has at most
+one request in flight (its requests run in seq_id order), so while the compute thread works, the
+other runs' next requests gather here; when it is free, the one that waited longest goes, with
+every other waiting request of the same kind (forward, forward_backward or optim_step) of
+another run: for a pass, those on the same base model up to ``token_budget`` tokens in all; for
+a step, all of them. Only requests of at most ``request_tokens`` tokens are fused into a pass:
+past that a pass's cost grows faster than its rows on the CPU, and fusing stops paying
+(bench/fused_training.py: 1.45x at 16 tokens a request, 1.27x at 64, 0.99x at 256, 0.67x at
+1024, 4 runs of tinsmith/small on one thread). A request alone, or one the engine would not run
+together (it does not fit the memory budget in one pass, say), runs alone through ``alone`` (the
+handlers' path, which makes room on the device when it must). Nothing waits for company: a
+request that finds the thread free runs at once.
 
 Each request keeps its own outcome (an invalid or non-finite one fails alone) and its own trace:
-the fused pass's compute span is a child of the first request's, and names the runs it carried.
+the fused work's compute span is a child of the first request's, and names the runs it carried.
 
 Does not own: the torch math (engine.py), or a run's order of requests (handlers.py).
 """
@@ -25,28 +27,37 @@ import asyncio
 import contextvars
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tinsmith import telemetry
+from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.compute import ComputeThread
 
 from .engine import TrainerEngine
 
+OPTIM_STEP = "optim_step"
+
 
 @dataclass(eq=False)  # one request: equal only to itself
 class Ask:
-    """A run's forward_backward (or forward), waiting for the compute thread."""
+    """A run's forward_backward, forward or optim_step, waiting for the compute thread."""
 
     model_id: str
     base_model: str
-    request: tp.ForwardBackwardRequest
-    tokens: int
+    work: tp.ForwardBackwardRequest | bus.AdamParams
+    tokens: int  # a step's: 0
     attributes: telemetry.Attributes
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
-    future: asyncio.Future[bytes] = field(
+    future: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.work, bus.AdamParams):
+            return OPTIM_STEP
+        return "forward" if self.work.forward_only else "forward_backward"
 
 
 class Fuser:
@@ -54,13 +65,13 @@ class Fuser:
         self,
         compute: ComputeThread,
         engine: TrainerEngine,
-        alone: Callable[[Ask], Coroutine[Any, Any, bytes]],
+        alone: Callable[[Ask], Coroutine[Any, Any, Any]],
         token_budget: int,
         request_tokens: int,
     ) -> None:
-        """``alone(ask)`` runs one request by itself; ``token_budget``: the most tokens of one
-        fused pass (0: never fuse); ``request_tokens``: the most tokens of a request that is
-        fused with others."""
+        """``alone(ask)`` runs one request by itself and returns its result; ``token_budget``:
+        the most tokens of one fused pass (0: never fuse, steps neither); ``request_tokens``: the
+        most tokens of a request that is fused with others."""
         self.compute = compute
         self.engine = engine
         self.alone = alone
@@ -69,26 +80,47 @@ class Fuser:
         self._waiting: list[Ask] = []
         self._draining = False
         self.fused_passes = 0  # passes that carried more than one run's request
+        self.fused_steps = 0  # AdamW steps that stepped more than one run
 
     async def forward_backward(self, ask: Ask) -> bytes:
-        """Run ``ask`` (with others, when they are ready together) and return its output."""
+        """Run ``ask``'s forward_backward or forward (with others, when they are ready
+        together) and return its serialized output."""
+        output: bytes = await self._submit(ask)
+        return output
+
+    async def optim_step(self, ask: Ask) -> dict[str, float]:
+        """Take ``ask``'s optim_step (with others, when they are ready together) and return its
+        metrics."""
+        metrics: dict[str, float] = await self._submit(ask)
+        return metrics
+
+    async def _submit(self, ask: Ask) -> Any:
         self._waiting.append(ask)
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
         return await ask.future
 
+    def _goes_with(self, first: Ask, ask: Ask) -> bool:
+        if ask.kind != first.kind or self.token_budget <= 0:
+            return False
+        if ask.kind == OPTIM_STEP:
+            return True
+        return (
+            first.tokens <= self.request_tokens
+            and ask.tokens <= self.request_tokens
+            and ask.base_model == first.base_model
+        )
+
     def _take(self) -> list[Ask]:
         """The request that waited longest, and the waiting requests that go with it."""
         first = self._waiting[0]
         group, tokens = [first], first.tokens
-        for ask in self._waiting[1:] if first.tokens <= self.request_tokens else []:
+        for ask in self._waiting[1:]:
             if (
-                ask.tokens <= self.request_tokens
-                and ask.base_model == first.base_model
-                and ask.request.forward_only == first.request.forward_only
+                self._goes_with(first, ask)
                 and all(ask.model_id != other.model_id for other in group)
-                and tokens + ask.tokens <= self.token_budget
+                and (ask.kind == OPTIM_STEP or tokens + ask.tokens <= self.token_budget)
             ):
                 group.append(ask)
                 tokens += ask.tokens
@@ -98,6 +130,8 @@ class Fuser:
     async def _drain(self) -> None:
         try:
             while self._waiting:
+                # Other work on the thread (a save, a snapshot) gives more requests time to come.
+                await self.compute.idle()
                 group = self._take()
                 pending = [ask for ask in group if not ask.future.done()]  # cancelled: skip
                 if len(pending) > 1:
@@ -108,28 +142,35 @@ class Fuser:
             self._draining = False
 
     async def _together(self, group: list[Ask]) -> list[Ask]:
-        """Run ``group`` as one pass; return the requests left to run alone."""
+        """Run ``group`` as one pass or one step; return the requests left to run alone."""
         first = group[0]
         attributes = {
             **first.attributes,
             "tinsmith.fused_runs": len(group),
             "tinsmith.fused_models": ",".join(ask.model_id for ask in group),
-            "tinsmith.tokens": sum(ask.tokens for ask in group),
         }
-        op = "forward" if first.request.forward_only else "forward_backward"
-        work = self.compute.traced(
-            op,
-            attributes,
-            self.engine.forward_backward_together,
-            [(ask.model_id, ask.request) for ask in group],
-        )
+        work: Coroutine[Any, Any, list[Any]]
+        if first.kind == OPTIM_STEP:
+            steps = [(ask.model_id, cast(bus.AdamParams, ask.work)) for ask in group]
+            work = self.compute.traced(
+                first.kind, attributes, self.engine.optim_step_together, steps
+            )
+        else:
+            attributes["tinsmith.tokens"] = sum(ask.tokens for ask in group)
+            passes = [(ask.model_id, cast(tp.ForwardBackwardRequest, ask.work)) for ask in group]
+            work = self.compute.traced(
+                first.kind, attributes, self.engine.forward_backward_together, passes
+            )
         try:
             results = await asyncio.get_running_loop().create_task(work, context=first.context)
         except Exception:
             return group  # alone, each fails (or not) on its own
         left = []
         if sum(result is not None for result in results) > 1:
-            self.fused_passes += 1
+            if first.kind == OPTIM_STEP:
+                self.fused_steps += 1
+            else:
+                self.fused_passes += 1
         for ask, result in zip(group, results, strict=True):
             if result is None:
                 left.append(ask)

@@ -54,7 +54,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -817,26 +817,32 @@ class Trainer:
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         return output, PROTOBUF
 
-    async def _alone(self, ask: Ask) -> bytes:
-        """A forward_backward by itself (the fuser's way for one that runs with no other)."""
-        op = "forward" if ask.request.forward_only else "forward_backward"
+    async def _alone(self, ask: Ask) -> Any:
+        """A request by itself (the fuser's way for one that runs with no other)."""
+        if isinstance(ask.work, bus.AdamParams):
+            return await self.compute.traced(
+                ask.kind, ask.attributes, self.engine.optim_step, ask.model_id, ask.work
+            )
+        request = ask.work
         return await self._fitting(
             ask.model_id,
             lambda: self.compute.traced(
-                op, ask.attributes, self.engine.forward_backward, ask.model_id, ask.request
+                ask.kind, ask.attributes, self.engine.forward_backward, ask.model_id, request
             ),
         )
 
     async def _optim_step(
         self, accepted: bus.RequestAccepted, queue: _RunQueue
     ) -> tuple[bytes, str]:
-        metrics = await self.compute.traced(
-            "optim_step",
-            self._attributes(accepted.aggregate_id),
-            self.engine.optim_step,
-            accepted.aggregate_id,
+        model_id = accepted.aggregate_id
+        ask = Ask(
+            model_id,
+            queue.create.base_model,
             accepted.optim_step.adam,
+            0,
+            self._attributes(model_id),
         )
+        metrics = await self.fuser.optim_step(ask)
         return _json({"type": "optim_step", "metrics": metrics})
 
     async def _save_weights(

@@ -131,9 +131,10 @@ def test_runs_trained_in_one_pass_get_what_each_gets_alone() -> None:
             assert _tensor_gap(grads, _tensors(alone, tenant.model_id, grads=True)) <= TOLERANCE
             # Each run's gradient comes from its own rows: every tensor of its adapter has one.
             assert all(g is not None for g in grads.values())
-        for tenant in TENANTS:
-            fused.optim_step(tenant.model_id, FUSED_ADAM)
-            alone.optim_step(tenant.model_id, FUSED_ADAM)
+        stepped = fused.optim_step_together([(t.model_id, FUSED_ADAM) for t in TENANTS])
+        for tenant, metrics in zip(TENANTS, stepped, strict=True):
+            assert isinstance(metrics, dict)
+            assert metrics.keys() == alone.optim_step(tenant.model_id, FUSED_ADAM).keys()
             gap = _tensor_gap(
                 _tensors(fused, tenant.model_id, grads=False),
                 _tensors(alone, tenant.model_id, grads=False),
@@ -149,6 +150,96 @@ def test_runs_trained_in_one_pass_get_what_each_gets_alone() -> None:
         assert isinstance(out, bytes)
         assert _max_gap(out, alone.forward_backward(tenant.model_id, request)) <= TOLERANCE
         assert all(p.grad is None for p in fused.runs[tenant.model_id].params.values())
+
+
+def _adam_state(engine: TrainerEngine, model_id: str) -> list[torch.Tensor]:
+    run = engine.runs[model_id]
+    state = [run.optimizer.state.get(p, {}) for p in run.params.values()]
+    return [value for entry in state for value in entry.values()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# Each tenant's own AdamW settings: two share them (one parameter group), one does not.
+ADAMS = (
+    FUSED_ADAM,
+    FUSED_ADAM,
+    bus.AdamParams(learning_rate=3e-4, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1),
+)
+
+
+def test_optim_steps_taken_together_are_what_each_takes_alone() -> None:
+    """Runs at different step counts, with different AdamW settings, stepped at once: the same
+    weights, AdamW state and metrics as each stepped alone, bit for bit."""
+    fused, alone = _engines()
+    for step in range(3):
+        stepping = TENANTS if step != 1 else TENANTS[1:]  # "four" skips a step
+        for engine in (fused, alone):
+            for tenant, request in zip(TENANTS, _requests(step), strict=True):
+                if tenant in stepping:
+                    engine.forward_backward(tenant.model_id, request)
+        adams = [ADAMS[TENANTS.index(t)] for t in stepping]
+        together = fused.optim_step_together(
+            [(t.model_id, adam) for t, adam in zip(stepping, adams, strict=True)]
+        )
+        for tenant, adam, metrics in zip(stepping, adams, together, strict=True):
+            assert metrics == alone.optim_step(tenant.model_id, adam), tenant
+            weights = [_tensors(e, tenant.model_id, grads=False) for e in (fused, alone)]
+            assert _tensor_gap(*weights) == 0
+            assert _same(_adam_state(fused, tenant.model_id), _adam_state(alone, tenant.model_id))
+            assert all(p.grad is None for p in fused.runs[tenant.model_id].params.values())
+    counts = {float(s["step"]) for s in fused.runs["eight"].optimizer.state.values()}
+    assert counts == {3.0} and {
+        float(s["step"]) for s in fused.runs["four"].optimizer.state.values()
+    } == {2.0}
+
+
+def test_a_step_that_is_refused_in_a_joint_step_is_refused_alone() -> None:
+    """Non-finite gradients, and a learning rate that makes the weights non-finite: each of those
+    runs is refused with its weights, AdamW state and gradients as they were, and the third run
+    steps as it would alone. A step size torch cannot represent hands every run back."""
+    fused, alone = _engines()
+    for engine in (fused, alone):
+        for tenant, request in zip(TENANTS, _requests(0), strict=True):
+            engine.forward_backward(tenant.model_id, request)
+        for tenant in TENANTS:
+            engine.optim_step(tenant.model_id, FUSED_ADAM)
+        for tenant, request in zip(TENANTS, _requests(1), strict=True):
+            engine.forward_backward(tenant.model_id, request)
+    poisoned = next(iter(fused.runs["four"].params.values()))
+    assert poisoned.grad is not None
+    poisoned.grad[0, 0] = float("nan")
+    before = {
+        t.model_id: (_tensors(fused, t.model_id, False), _tensors(fused, t.model_id, True))
+        for t in TENANTS
+    }
+    state = {t.model_id: [s.clone() for s in _adam_state(fused, t.model_id)] for t in TENANTS}
+    huge = bus.AdamParams(learning_rate=float("inf"), beta1=0.9, beta2=0.95, eps=1e-8)
+    results = fused.optim_step_together(
+        [("four", FUSED_ADAM), ("eight", huge), ("sixteen", FUSED_ADAM)]
+    )
+    assert isinstance(results[0], Unprocessable) and "gradients" in results[0].detail
+    assert isinstance(results[1], Unprocessable) and "learning rate inf" in results[1].detail
+    for model_id in ("four", "eight"):  # as they were
+        weights, grads = before[model_id]
+        assert _tensor_gap(_tensors(fused, model_id, False), weights) == 0
+        assert _tensor_gap(_tensors(fused, model_id, True), grads) == 0
+        assert _same(_adam_state(fused, model_id), state[model_id])
+    assert results[2] == alone.optim_step("sixteen", FUSED_ADAM)
+    assert _tensor_gap(_tensors(fused, "sixteen", False), _tensors(alone, "sixteen", False)) == 0
+
+    # Beyond float32: torch refuses the step, and it is not known whose step it was.
+    overflow = bus.AdamParams(learning_rate=1e39, beta1=0.9, beta2=0.95, eps=1e-8)
+    fused.forward_backward("sixteen", _requests(2)[2])
+    assert fused.optim_step_together([("eight", FUSED_ADAM), ("sixteen", overflow)]) == [None] * 2
+    assert _tensor_gap(_tensors(fused, "eight", True), before["eight"][1]) == 0
+    with pytest.raises(Unprocessable, match="learning rate 1e"):
+        fused.optim_step("sixteen", overflow)
+    # A run named twice, or not here, is handed back too.
+    assert fused.optim_step_together([("eight", FUSED_ADAM), ("eight", FUSED_ADAM)])[1] is None
+    assert fused.optim_step_together([("eight", FUSED_ADAM), ("gone", FUSED_ADAM)])[1] is None
 
 
 def test_a_request_that_fails_in_a_pass_fails_alone() -> None:
@@ -231,6 +322,20 @@ async def test_the_trainer_fuses_the_runs_that_are_ready_together(harness: Harne
             gap = _tensor_gap(_tensors(trainer.engine, m, True), _tensors(reference, m, True))
             assert gap <= TOLERANCE, m
 
+        # Their optim_steps, ready together, are one AdamW step.
+        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 1.0))
+        await asyncio.sleep(0.1)
+        step = bus.OptimStep(adam=FUSED_ADAM)
+        asked = [await harness.accept(m, 2, optim_step=step) for m in models_]
+        await busy
+        outcomes = await harness.settled(*asked)
+        assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
+        assert trainer.fuser.fused_steps == 1
+        for m in models_:
+            reference.optim_step(m, FUSED_ADAM)
+            gap = _tensor_gap(_tensors(trainer.engine, m, False), _tensors(reference, m, False))
+            assert gap <= TOLERANCE, m
+
 
 @pytest.mark.parametrize(
     "settings",
@@ -252,3 +357,11 @@ async def test_requests_the_settings_keep_apart_run_alone(
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
         assert trainer.fuser.fused_passes == 0
+        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 0.5))
+        await asyncio.sleep(0.1)
+        step = bus.OptimStep(adam=FUSED_ADAM)
+        asked = [await harness.accept(m, 2, optim_step=step) for m in ("za", "zb")]
+        await busy
+        outcomes = await harness.settled(*asked)
+        assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
+        assert trainer.fuser.fused_steps == (0 if settings.get("fuse_tokens") == 0 else 1)

@@ -415,7 +415,9 @@ def test_a_run_that_does_not_fit_is_refused_with_what_it_needs() -> None:
 # -- out of memory --------------------------------------------------------------------------------
 
 
-def test_running_out_of_device_memory_fails_the_request_alone() -> None:
+def test_running_out_of_device_memory_fails_the_request_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     hit, clean = _engine(), _engine()
     for engine in (hit, clean):
         _create(engine, "run")
@@ -432,12 +434,16 @@ def test_running_out_of_device_memory_fails_the_request_alone() -> None:
     handle.remove()
     assert _same_grads(_grads(hit, "run"), before)
 
-    optimizer = hit.runs["run"].optimizer
-    step = optimizer.step
-    optimizer.step = lambda *a, **k: exhausted()  # type: ignore[method-assign]
-    with pytest.raises(Unavailable, match="during this optim_step"):
-        hit.optim_step("run", ADAM)
-    optimizer.step = step  # type: ignore[method-assign]
+    step = torch.optim.AdamW.step
+
+    def half_done(optimizer: torch.optim.AdamW) -> None:  # the weights and moments have moved
+        step(optimizer)
+        exhausted()
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.optim.AdamW, "step", half_done)
+        with pytest.raises(Unavailable, match="during this optim_step"):
+            hit.optim_step("run", ADAM)
     assert _same_grads(_grads(hit, "run"), before)
 
     for engine in (hit, clean):  # it goes on as if the failed requests never came
