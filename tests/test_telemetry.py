@@ -115,9 +115,13 @@ COMPUTE = """
 
     async def main():
         compute = ComputeThread("test-compute", device=lambda: "cpu")
+        with telemetry.tracer.start_as_current_span("other") as other:
+            pass
         with telemetry.tracer.start_as_current_span("request"):
             await compute.run(time.sleep, 0.05)  # busy, but no span
             await compute.traced("optim_step", {"tinsmith.model_id": "m"}, time.sleep, 0.1)
+            # Work done for another request too: its span leads here.
+            await compute.linked("fused", {}, [other.get_span_context()], time.sleep, 0.01)
         compute.shutdown()
         body, _ = telemetry.prometheus_text()
         print(body.decode())
@@ -131,10 +135,16 @@ def test_compute_spans_start_on_the_thread_under_the_callers_span() -> None:
     with OtlpReceiver() as receiver:
         done = _run(COMPUTE, OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint)
         assert done.returncode == 0, done.stderr
-        spans = receiver.wait_for(lambda spans: len(spans) >= 2, 10.0)
+        spans = receiver.wait_for(lambda spans: len(spans) >= 4, 10.0)
     (request,) = [s for s in spans if s.name == "request"]
-    (compute,) = [s for s in spans if s.name == "compute"]
-    assert compute.parent_span_id == request.span_id
+    (other,) = [s for s in spans if s.name == "other"]
+    compute, fused = sorted(
+        (s for s in spans if s.name == "compute"),
+        key=lambda s: s.attributes["tinsmith.op"] == "fused",
+    )
+    assert compute.parent_span_id == request.span_id and not compute.links
+    assert fused.parent_span_id == request.span_id
+    assert fused.links == ((other.trace_id, other.span_id),)
     assert compute.attributes == {
         "tinsmith.op": "optim_step",
         "tinsmith.device": "cpu",
@@ -146,4 +156,4 @@ def test_compute_spans_start_on_the_thread_under_the_callers_span() -> None:
         for line in done.stdout.splitlines()
         if line.startswith("tinsmith_compute_busy_seconds_total")
     ]
-    assert 0.15 <= float(busy.split()[-1]) < 1.0
+    assert 0.16 <= float(busy.split()[-1]) < 1.0

@@ -15,9 +15,11 @@ import asyncio
 import contextvars
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, Protocol, TypeVar
+
+from opentelemetry.trace import Link, SpanContext
 
 from tinsmith import telemetry
 
@@ -76,8 +78,21 @@ class ComputeThread:
     ) -> _T:
         """Run ``fn`` like ``run``, inside a ``compute`` span (a child of the current span)
         carrying ``op``, ``attributes``, the device, and the GPU time on a GPU."""
+        return await self.linked(op, attributes, (), fn, *args, **kwargs)
+
+    async def linked(
+        self,
+        op: str,
+        attributes: telemetry.Attributes,
+        links: Sequence[SpanContext],
+        fn: Callable[_P, _T],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T:
+        """``traced``, with the span linked to ``links``: the spans of other requests the work
+        also does (a fused pass, say), so each request's trace leads to it."""
         work = functools.partial(fn, *args, **kwargs)
-        return await self._submit(functools.partial(self._spanned, op, attributes, work))
+        return await self._submit(functools.partial(self._spanned, op, attributes, links, work))
 
     async def _submit(self, call: Callable[[], _T]) -> _T:
         # The current context goes along, so a span started on the thread has the right parent.
@@ -99,10 +114,18 @@ class ComputeThread:
         finally:
             telemetry.BUSY.add(time.perf_counter() - started)
 
-    def _spanned(self, op: str, attributes: telemetry.Attributes, work: Callable[[], _T]) -> _T:
+    def _spanned(
+        self,
+        op: str,
+        attributes: telemetry.Attributes,
+        links: Sequence[SpanContext],
+        work: Callable[[], _T],
+    ) -> _T:
         device = self._device()
         with telemetry.tracer.start_as_current_span(
-            "compute", attributes={"tinsmith.op": op, "tinsmith.device": device, **attributes}
+            "compute",
+            attributes={"tinsmith.op": op, "tinsmith.device": device, **attributes},
+            links=[Link(context) for context in links if context.is_valid],
         ) as span:
             on_gpu = device.startswith("cuda") and telemetry.tracing()
             clock = self.gpu_clock if on_gpu else None

@@ -16,7 +16,8 @@ handlers' path, which makes room on the device when it must). Nothing waits for 
 request that finds the thread free runs at once.
 
 Each request keeps its own outcome (an invalid or non-finite one fails alone) and its own trace:
-the fused work's compute span is a child of the first request's, and names the runs it carried.
+the fused work's compute span is a child of the first request's, is linked to the others', and
+names the runs it carried.
 
 Does not own: the torch math (engine.py), or a run's order of requests (handlers.py).
 """
@@ -28,6 +29,8 @@ import contextvars
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+from opentelemetry import trace
 
 from tinsmith import telemetry
 from tinsmith._proto import bus_pb2 as bus
@@ -149,17 +152,19 @@ class Fuser:
             "tinsmith.fused_runs": len(group),
             "tinsmith.fused_models": ",".join(ask.model_id for ask in group),
         }
+        # A child of the first request's span, linked from the others'.
+        links = [ask.context.run(trace.get_current_span).get_span_context() for ask in group[1:]]
         work: Coroutine[Any, Any, list[Any]]
         if first.kind == OPTIM_STEP:
             steps = [(ask.model_id, cast(bus.AdamParams, ask.work)) for ask in group]
-            work = self.compute.traced(
-                first.kind, attributes, self.engine.optim_step_together, steps
+            work = self.compute.linked(
+                first.kind, attributes, links, self.engine.optim_step_together, steps
             )
         else:
             attributes["tinsmith.tokens"] = sum(ask.tokens for ask in group)
             passes = [(ask.model_id, cast(tp.ForwardBackwardRequest, ask.work)) for ask in group]
-            work = self.compute.traced(
-                first.kind, attributes, self.engine.forward_backward_together, passes
+            work = self.compute.linked(
+                first.kind, attributes, links, self.engine.forward_backward_together, passes
             )
         try:
             results = await asyncio.get_running_loop().create_task(work, context=first.context)
