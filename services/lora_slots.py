@@ -22,8 +22,12 @@ grouped matmul (``torch._grouped_mm``, with the rows' offsets per slot) where it
 else a plain matmul per slot. A base-model row costs nothing more than the base; a step's cost
 follows the rows and the distinct adapters and rank classes in the batch, not the adapters
 loaded. The arithmetic is PEFT's but for where the scale goes (on B, a small tensor, not on
-every row's delta: float32 rounding apart, the same): the input cast to float32, the delta added
-to the base output, the sum cast back to the base's dtype.
+every row's delta: float32 rounding apart, the same): the input cast to float32, the delta
+computed in float32. Where rows are gathered, the delta is added to their base output in float32
+and the sum cast back to the base's dtype; where each slot's rows are one range, the delta is cast
+to the base's dtype and added in place to the range's rows of the base output (``index_add_``),
+so a trainer's pass builds nothing of the size of the whole output again (the same in float32;
+in bfloat16, the delta rounded once more).
 
 For training, ``Slots.bind`` gives a slot's adapter as float32 ``nn.Parameter``s of its own rank
 that alias its places in the stacks (re-pointed when the stacks grow or are packed): an
@@ -43,7 +47,6 @@ targets (tinsmith/lora.py), or the device and its memory (the engines).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -79,8 +82,8 @@ class _Route:
     rows: tuple[Tensor, ...]  # int64 row indices on the device, one tensor per slot
     total: int  # the rows of the forward, with and without an adapter
     # Each slot's rows as one range (start, end), where every slot's rows are consecutive (a
-    # trainer's pass: each run's datums together): a module then takes them as views of its
-    # input instead of gathering them. None otherwise.
+    # trainer's pass: each run's datums together): a module then splits its input into them
+    # instead of gathering them, and adds each one's delta in place. None otherwise.
     spans: tuple[tuple[int, int], ...] | None
 
 
@@ -403,48 +406,51 @@ class SlotLinear(nn.Module):
         slots: Sequence[int],
         spans: Sequence[tuple[int, int]],
     ) -> Tensor:
-        """The forward of a route whose slots each have one range of rows: each rank class's
-        rows taken as a view of ``x`` where its ranges are adjacent, and one delta for every
-        row (zeros where no adapter applies) added to the base output at once."""
-        by_class: dict[int, list[tuple[int, int, int, int]]] = {}
-        for slot, (start, end) in zip(slots, spans, strict=True):
-            if slot in self.present:
-                klass, index = self.slots.where[slot]
-                by_class.setdefault(klass, []).append((start, end, slot, index))
-        if not by_class:
-            return out
-        pieces: list[tuple[int, int, Tensor]] = []
-        for klass, groups in by_class.items():
-            groups.sort()
-            adjacent = all(a[1] == b[0] for a, b in itertools.pairwise(groups))
-            if adjacent:
-                picked = x[groups[0][0] : groups[-1][1]]
-            else:
-                picked = torch.cat([x[start:end] for start, end, _, _ in groups])
-            flat = picked.reshape(-1, picked.shape[-1]).to(torch.float32)
-            per_row = flat.shape[0] // picked.shape[0]  # tokens per row
-            counts = [(end - start) * per_row for start, end, _, _ in groups]
-            a, b = self._pairs(klass, [(slot, index) for _, _, slot, index in groups])
-            delta = _segment_lora(flat, a, b, counts).view(*picked.shape[:-1], -1)
-            if adjacent:
-                pieces.append((groups[0][0], groups[-1][1], delta))
+        """The forward of a route whose slots each have one range of rows: ``x`` split into the
+        ranges (views, whose backward is one join), and each range's delta (an ``x A^T B^T``;
+        with a grouped matmul, a rank class's adjacent ranges in one call) added in place to
+        its rows of the base output ``out`` (``index_add_``, whose backward passes the gradient
+        through), so that nothing of the size of the whole output is built again. The delta is
+        computed in float32 and added in ``out``'s dtype."""
+        # Ranges in row order, as (start, end, rank class, [(slot, index, rows)]): with a grouped
+        # matmul, adjacent ranges of one rank class are one.
+        ranges: list[tuple[int, int, int, list[tuple[int, int, int]]]] = []
+        grouped = _grouped_mm_works(x.device)
+        for (start, end), slot in sorted(zip(spans, slots, strict=True)):
+            if slot not in self.present:
                 continue
-            offset = 0
-            for start, end, _, _ in groups:
-                pieces.append((start, end, delta[offset : offset + end - start]))
-                offset += end - start
-        pieces.sort(key=lambda piece: piece[0])
-        parts: list[Tensor] = []
+            klass, index = self.slots.where[slot]
+            last = ranges[-1] if ranges else None
+            if grouped and last is not None and last[1] == start and last[2] == klass:
+                ranges[-1] = (last[0], end, klass, [*last[3], (slot, index, end - start)])
+            else:
+                ranges.append((start, end, klass, [(slot, index, end - start)]))
+        if not ranges:
+            return out
+        sizes: list[int] = []  # x's rows, in pieces: ranges and the rows between them
         at = 0
-        for start, end, piece in pieces:
-            if start > at:  # rows no adapter applies to on this module
-                parts.append(out.new_zeros((start - at, *out.shape[1:]), dtype=torch.float32))
-            parts.append(piece)
+        for start, end, _, _ in ranges:
+            sizes += [start - at, end - start] if start > at else [end - start]
             at = end
         if at < total:
-            parts.append(out.new_zeros((total - at, *out.shape[1:]), dtype=torch.float32))
-        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return (out.to(torch.float32) + whole).to(out.dtype)
+            sizes.append(total - at)
+        pieces = iter(torch.split(x, sizes))
+        at = 0
+        for start, end, klass, members in ranges:
+            if start > at:
+                next(pieces)  # rows no adapter applies to on this module
+            piece = next(pieces)
+            at = end
+            a, b = self._pairs(klass, [(slot, index) for slot, index, _ in members])
+            flat = piece.reshape(-1, piece.shape[-1]).to(torch.float32)
+            if len(members) == 1:
+                delta = (flat @ a[0].T) @ b[0].T
+            else:
+                per_row = flat.shape[0] // piece.shape[0]  # tokens per row
+                delta = _segment_lora(flat, a, b, [rows * per_row for _, _, rows in members])
+            rows = torch.arange(start, end, device=out.device)
+            out.index_add_(0, rows, delta.view(end - start, *out.shape[1:]).to(out.dtype))
+        return out
 
 
 def _segment_lora(x: Tensor, a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
