@@ -40,7 +40,7 @@ async def _accept(eventlog: EventLog, seq_id: int, max_tokens: int) -> str:
     return request_id
 
 
-async def test_a_request_cancelled_before_it_was_fetched_is_skipped(
+async def test_a_request_cancelled_before_it_was_fetched_is_not_run(
     eventlog: EventLog, caplog: pytest.LogCaptureFixture
 ) -> None:
     long = await _accept(eventlog, 0, max_tokens=1000)  # seconds of work, were it run
@@ -66,7 +66,13 @@ async def test_a_request_cancelled_before_it_was_fetched_is_skipped(
                 break
             assert time.monotonic() < deadline, info
             await asyncio.sleep(0.05)
-        assert f"skipped request {long}: it was cancelled" in caplog.text
+        # Skipped when the sampler knew of the cancellation as it was fetched; dropped at once
+        # when the cancellation came a moment after (the sampler reads cancellations before it
+        # takes work, but does not wait for the end of the log to start).
+        assert (
+            f"skipped request {long}: it was cancelled" in caplog.text
+            or f"dropped request {long}" in caplog.text
+        ), caplog.text
         cancelled = projection.state.requests[long]
         assert (cancelled.status, cancelled.error_kind) == (jobs.Status.FAILED, "cancelled")
     finally:
