@@ -427,20 +427,24 @@ class SlotLinear(nn.Module):
                 ranges.append((start, end, klass, [(slot, index, end - start)]))
         if not ranges:
             return out
-        sizes: list[int] = []  # x's rows, in pieces: ranges and the rows between them
-        at = 0
-        for start, end, _, _ in ranges:
-            sizes += [start - at, end - start] if start > at else [end - start]
-            at = end
-        if at < total:
-            sizes.append(total - at)
-        pieces = iter(torch.split(x, sizes))
+        # x's rows in pieces: the ranges, and the rows no adapter applies to between them (None).
+        sizes: list[int] = []
+        plan: list[tuple[int, int, int, list[tuple[int, int, int]]] | None] = []
         at = 0
         for start, end, klass, members in ranges:
             if start > at:
-                next(pieces)  # rows no adapter applies to on this module
-            piece = next(pieces)
+                sizes.append(start - at)
+                plan.append(None)
+            sizes.append(end - start)
+            plan.append((start, end, klass, members))
             at = end
+        if at < total:
+            sizes.append(total - at)
+            plan.append(None)
+        for piece, part in zip(torch.split(x, sizes), plan, strict=True):
+            if part is None:
+                continue
+            start, end, klass, members = part
             a, b = self._pairs(klass, [(slot, index) for slot, index, _ in members])
             flat = piece.reshape(-1, piece.shape[-1]).to(torch.float32)
             if len(members) == 1:

@@ -766,7 +766,7 @@ class TrainerEngine:
         as they were, when the gradients or their norm are not finite, or when the step would
         make a weight non-finite (a learning rate far too large, say); the same when the device
         runs out of memory (``Unavailable``)."""
-        self._run(model_id)
+        self._run(model_id)  # NotFound, as for any command on a run not held here
         (result,) = self._on_device("optim_step", self._optim_steps, [(model_id, adam)])
         if isinstance(result, Exception):
             raise result
