@@ -157,3 +157,41 @@ def test_compute_spans_start_on_the_thread_under_the_callers_span() -> None:
         if line.startswith("tinsmith_compute_busy_seconds_total")
     ]
     assert 0.16 <= float(busy.split()[-1]) < 1.0
+
+
+BUSY_UNDER_WAY = """
+    import asyncio, time
+    from tinsmith import telemetry
+    from tinsmith.compute import ComputeThread
+    telemetry.setup("trainer")
+
+    def busy() -> float:
+        body, _ = telemetry.prometheus_text()
+        (line,) = [
+            line for line in body.decode().splitlines()
+            if line.startswith("tinsmith_compute_busy_seconds_total")
+        ]
+        return float(line.split()[-1])
+
+    async def main():
+        compute = ComputeThread("test-compute")
+        work = asyncio.ensure_future(compute.run(time.sleep, 0.6))
+        await asyncio.sleep(0.3)
+        print("during", busy())
+        await work
+        print("after", busy())
+        compute.shutdown()
+
+    asyncio.run(main())
+    telemetry.shutdown()
+"""
+
+
+def test_the_busy_counter_counts_work_while_it_runs() -> None:
+    """A scrape in the middle of long work sees the time it has run so far, not nothing until
+    it ends (the duty cycle would show a multi-second pass as one spike after it)."""
+    done = _run(BUSY_UNDER_WAY)
+    assert done.returncode == 0, done.stderr
+    during, after = (float(line.split()[-1]) for line in done.stdout.splitlines())
+    assert 0.2 <= during < 0.5
+    assert 0.6 <= after < 1.0

@@ -3,8 +3,9 @@
 Owns: running blocking compute off the event loop, on one dedicated thread, so the bus keeps
 flowing while a step runs and all torch calls of a process come from the same thread (measured on
 2 cores: the same step took 0.45 s on one thread and 0.66 s from several); the time the thread is
-busy (the ``tinsmith.compute.busy`` counter: the engine's duty cycle); and the ``compute`` spans
-of traced work, which start when the work starts on the thread, not when it was queued for it.
+busy (the ``tinsmith.compute.busy`` counter: the engine's duty cycle); the ``compute`` spans
+of traced work, which start when the work starts on the thread, not when it was queued for it;
+and telling long work on the thread whether other work waits behind it (``others_waiting``).
 Does not own: what runs there; this module never imports torch (a service hands in a
 ``GpuClock`` when its engine computes on a GPU).
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import time
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, Protocol, TypeVar
+from typing import Generic, ParamSpec, Protocol, TypeVar
 
 from opentelemetry.trace import Link, SpanContext
 
@@ -56,6 +57,8 @@ class ComputeThread:
         self._device = device
         self.gpu_clock = gpu_clock
         self._pending = 0  # work submitted and not yet done
+        self._queued = 0  # work submitted and not yet started (or cancelled before it was)
+        self._queued_lock = threading.Lock()  # both threads change it
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -63,6 +66,11 @@ class ComputeThread:
         """Return once no work is running on the thread or waiting for it."""
         while self._pending:
             await self._idle.wait()
+
+    def others_waiting(self) -> bool:
+        """Whether other work waits for the thread: for long work on it (a loop of steps, say)
+        to ask between two pieces whether to return and let it in."""
+        return self._queued > 0
 
     async def run(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         """Run ``fn`` on the compute thread and await its result."""
@@ -100,19 +108,20 @@ class ComputeThread:
         context = contextvars.copy_context()
         self._pending += 1
         self._idle.clear()
+        start = _Start(self, call)
+        with self._queued_lock:
+            self._queued += 1
         try:
-            return await loop.run_in_executor(self._executor, context.run, call)
+            return await loop.run_in_executor(self._executor, context.run, start)
         finally:
+            start.unqueue()  # if it never started (cancelled while it waited)
             self._pending -= 1
             if not self._pending:
                 self._idle.set()
 
     def _timed(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        started = time.perf_counter()
-        try:
+        with telemetry.BUSY.working():
             return fn(*args, **kwargs)
-        finally:
-            telemetry.BUSY.add(time.perf_counter() - started)
 
     def _spanned(
         self,
@@ -137,3 +146,23 @@ class ComputeThread:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Start(Generic[_T]):
+    """A call submitted to the compute thread, which leaves the count of waiting work once,
+    when it starts or when its wait ends without it."""
+
+    def __init__(self, thread: ComputeThread, call: Callable[[], _T]) -> None:
+        self._thread = thread
+        self._call = call
+        self._queued = True
+
+    def __call__(self) -> _T:
+        self.unqueue()
+        return self._call()
+
+    def unqueue(self) -> None:
+        with self._thread._queued_lock:
+            if self._queued:
+                self._queued = False
+                self._thread._queued -= 1

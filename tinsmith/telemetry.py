@@ -26,6 +26,7 @@ import contextvars
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -74,10 +75,45 @@ TOKENS = meter.create_counter(
     description="Tokens processed: trained (forward and forward_backward inputs), prompt "
     "(sampler prefill) and generated (sampled)",
 )
-BUSY = meter.create_counter(
+
+
+class _BusyClock:
+    """The seconds compute threads have worked, counted live: the work done, plus the work under
+    way so far (a scrape in the middle of a long piece of work sees it; counted only at its end,
+    a multi-second pass would land in one lump, in whichever interval it happened to end)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the compute threads and the scraping thread
+        self._done = 0.0
+        self._running: dict[int, float] = {}  # thread ident -> when its work started
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        thread = threading.get_ident()
+        with self._lock:
+            self._running[thread] = time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._done += time.perf_counter() - self._running.pop(thread)
+
+    def seconds(self) -> float:
+        now = time.perf_counter()
+        with self._lock:
+            return self._done + sum(now - started for started in self._running.values())
+
+    def observe(self, _: CallbackOptions) -> list[Observation]:
+        return [Observation(self.seconds())]
+
+
+BUSY = _BusyClock()
+meter.create_observable_counter(
     "tinsmith.compute.busy",
+    [BUSY.observe],
     unit="s",
-    description="Time the compute thread spent working: its rate is the engine's duty cycle",
+    description="Time the compute thread spent working, counted live: its rate is the engine's "
+    "duty cycle",
 )
 
 
