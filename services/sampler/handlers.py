@@ -351,6 +351,21 @@ class Sampler:
         progress = self.engine.progress()
         return _Step(finished, self.engine.has_work(), started, ended, gpu_ms, progress)
 
+    def _steps(self) -> list[_Step]:
+        """Steps of the engine one after another on the compute thread, until one has something
+        for the event loop (finished requests, streamed tokens), the engine has no work left, or
+        other work waits for the thread (a request to add, a cancellation, which so wait one
+        step at most): the event loop takes over at those moments only, not after every token."""
+        steps = [self._step()]
+        while (
+            steps[-1].busy
+            and not steps[-1].finished
+            and not steps[-1].progress
+            and not self.compute.others_waiting()
+        ):
+            steps.append(self._step())
+        return steps
+
     async def _drive(self) -> None:
         """Step the engine while it has work; requests admitted meanwhile join at the next step
         (their ``add`` runs on the compute thread between two steps)."""
@@ -360,7 +375,7 @@ class Sampler:
             busy = True
             while busy:
                 try:
-                    step = await self.compute.run(self._step)
+                    steps = await self.compute.run(self._steps)
                 except Exception as exc:
                     # The engines fail a request alone; a step that raises is a bug in one. The
                     # last resort: fail what it holds, tell it to let go of them, keep serving.
@@ -370,8 +385,10 @@ class Sampler:
                         with contextlib.suppress(Exception):
                             await self.compute.run(self.engine.cancel, ticket)
                     failed: list[tuple[int, bytes | Exception]] = [(t, exc) for t in admitted]
-                    step = _Step(failed, False, time.time_ns(), time.time_ns(), 0.0)
-                self._account(step)
+                    steps = [_Step(failed, False, time.time_ns(), time.time_ns(), 0.0)]
+                for step in steps:
+                    self._account(step)
+                step = steps[-1]  # only the last may have finished or streamed anything
                 if step.progress:
                     await self._publish(step.progress)
                 busy = step.busy

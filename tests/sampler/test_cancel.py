@@ -1,6 +1,8 @@
-"""Cancellation in the sampler's work loop, on a real nats-server with the torch engine: a
-request cancelled before any replica fetched it is skipped, acked without running, while the
-request after it runs as usual. (A request cancelled while it decodes: tests/e2e/test_grpc.py.)"""
+"""The sampler's work loop, on a real nats-server with the torch engine: a request cancelled
+before any replica fetched it is skipped, acked without running, while the request after it runs
+as usual; the loop steps the engine on its compute thread without a hand-off per token, yet a
+request that comes, or a cancellation, gets in between two steps of a long request. (A request
+cancelled while it decodes, through the gateway: tests/e2e/test_grpc.py.)"""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ SAMPLER = "S:sample:0"
 
 
 async def _accept(eventlog: EventLog, seq_id: int, max_tokens: int) -> str:
+    """A request of four sequences of exactly ``max_tokens`` tokens, accepted into the log."""
     request_id = events.request_id(SAMPLER, seq_id)
     command = bus.Sample(
         base_model=models.TINY,
@@ -54,7 +57,7 @@ async def test_a_request_cancelled_before_it_was_fetched_is_not_run(
     await sampler.start()
     try:
         assert await projection.wait_until(
-            lambda: projection.state.requests[short].status is jobs.Status.COMPLETED, 60.0
+            lambda: _status(projection, short) is jobs.Status.COMPLETED, 60.0
         )
         # Nothing left unacked: the long request is not running behind the short one.
         deadline = time.monotonic() + 2.0
@@ -73,6 +76,79 @@ async def test_a_request_cancelled_before_it_was_fetched_is_not_run(
             f"skipped request {long}: it was cancelled" in caplog.text
             or f"dropped request {long}" in caplog.text
         ), caplog.text
+        cancelled = projection.state.requests[long]
+        assert (cancelled.status, cancelled.error_kind) == (jobs.Status.FAILED, "cancelled")
+    finally:
+        await sampler.stop()
+
+
+def _status(projection: FollowedProjection, request_id: str) -> jobs.Status | None:
+    """The request's status as the projection knows it (None before its acceptance arrives)."""
+    request = projection.state.requests.get(request_id)
+    return request.status if request is not None else None
+
+
+async def _start(eventlog: EventLog) -> tuple[Sampler, FollowedProjection]:
+    projection = FollowedProjection(eventlog)
+    await projection.start()
+    config = SamplerConfig(blob_url="memory://", cache_dir=models.default_cache_dir())
+    sampler = Sampler(eventlog.bus, make_engine(config), BlobStore("memory://"), config)
+    await sampler.start()
+    return sampler, projection
+
+
+async def _decoding(sampler: Sampler) -> None:
+    """Return once the engine has a request to step."""
+    deadline = time.monotonic() + 30.0
+    while not sampler.engine.has_work():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_a_request_that_comes_while_a_long_one_decodes_joins_between_two_steps(
+    eventlog: EventLog,
+) -> None:
+    sampler, projection = await _start(eventlog)
+    try:
+        long = await _accept(eventlog, 0, max_tokens=1000)  # a thousand steps
+        await _decoding(sampler)
+        short = await _accept(eventlog, 1, max_tokens=4)
+        assert await projection.wait_until(
+            lambda: _status(projection, short) not in (None, jobs.Status.PENDING), 60.0
+        )
+        # Done within a few steps of coming, not after the long request's thousand.
+        assert projection.state.requests[short].status is jobs.Status.COMPLETED
+        assert projection.state.requests[long].status is jobs.Status.PENDING
+        assert await projection.wait_until(
+            lambda: _status(projection, long) is jobs.Status.COMPLETED, 60.0
+        )
+    finally:
+        await sampler.stop()
+
+
+async def test_a_request_cancelled_while_it_decodes_stops_between_two_steps(
+    eventlog: EventLog,
+) -> None:
+    sampler, projection = await _start(eventlog)
+    try:
+        whole = await _accept(eventlog, 0, max_tokens=1000)
+        await _decoding(sampler)
+        began = time.monotonic()
+        assert await projection.wait_until(
+            lambda: _status(projection, whole) is jobs.Status.COMPLETED, 60.0
+        )
+        run_s = time.monotonic() - began  # a thousand steps
+        long = await _accept(eventlog, 1, max_tokens=1000)
+        await _decoding(sampler)
+        assert await eventlog.cancel(long, SAMPLER, "changed my mind", request_aggregate="sampler")
+        cancelled_at = time.monotonic()
+        while sampler.engine.has_work():
+            await asyncio.sleep(0.005)
+        # Let go of within a step or so, not after running to its end.
+        assert time.monotonic() - cancelled_at < run_s / 4, run_s
+        assert await projection.wait_until(
+            lambda: _status(projection, long) not in (None, jobs.Status.PENDING), 60.0
+        )
         cancelled = projection.state.requests[long]
         assert (cancelled.status, cancelled.error_kind) == (jobs.Status.FAILED, "cancelled")
     finally:
