@@ -104,8 +104,16 @@ class Slots:
     _next: int = 0  # the next slot handle
 
     def nbytes(self) -> int:
-        """The stacks' bytes: what the slots take on the device, used or not."""
-        return sum(m.nbytes() for m in self.modules.values())
+        """The stacks' bytes: what the slots take on the device, used or not (every module has
+        a stack of each rank class, as long as the class's capacity)."""
+        return sum(length * self._place_bytes(klass) for klass, length in self.capacity.items())
+
+    def _place_bytes(self, klass: int) -> int:
+        """One place of a rank class across every module's stacks: its A, B and scale."""
+        return sum(
+            4 * (klass * (m.base.in_features + m.base.out_features) + 1)
+            for m in self.modules.values()
+        )
 
     def load(self, weights: Mapping[str, tuple[Tensor, Tensor]], rank: int, scale: float) -> int:
         """Copy an adapter into a free place of its rank class's stacks (growing them if none is
@@ -145,11 +153,7 @@ class Slots:
         size = self.capacity.get(klass, 0)
         if sum(1 for c, _ in self.where.values() if c == klass) < size:
             return 0
-        place = sum(
-            4 * (klass * (m.base.in_features + m.base.out_features) + 1)
-            for m in self.modules.values()
-        )
-        return place * (max(1, 2 * size) - size)
+        return self._place_bytes(klass) * (max(1, 2 * size) - size)
 
     def reserve(self, rank: int, count: int) -> None:
         """Make the stacks of ``rank``'s class hold ``count`` adapters, so that loading one
@@ -240,8 +244,10 @@ class Slots:
         """Run the forwards inside with row ``i`` (of the first dimension of each module's
         input: a sequence, or a position of flattened ones) using slot ``row_slots[i]``
         (``NO_ADAPTER``: none). Routes nest: the one outside is back after the block."""
+        if isinstance(row_slots, Tensor):
+            row_slots = row_slots.tolist()
+        used = tuple(sorted(set(row_slots) - {NO_ADAPTER}))
         slots = torch.as_tensor(row_slots, dtype=torch.int64, device="cpu")
-        used = tuple(s for s in torch.unique(slots).tolist() if s != NO_ADAPTER)
         for slot in used:
             if slot not in self.ranks:
                 row = int((slots == slot).nonzero()[0])
@@ -252,7 +258,8 @@ class Slots:
             end - start == len(r) for (start, end), r in zip(spans, found, strict=True)
         )
         rows = tuple(r.to(self.device) for r in found)
-        route = _Route(used, rows, len(slots), spans if consecutive else None)
+        # Rows that all go without an adapter are no route at all: each module is its base.
+        route = _Route(used, rows, len(slots), spans if consecutive else None) if used else None
         outer, self.route = self.route, route
         try:
             yield
@@ -369,7 +376,7 @@ class SlotLinear(nn.Module):
         return torch.stack(a_parts), torch.stack(b_parts) * scale
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.base(x)
+        out = nn.functional.linear(x, self.base.weight, self.base.bias)  # without a module call
         route = self.slots.route
         if route is None:
             return out

@@ -227,11 +227,13 @@ def test_free_places_are_given_back_and_the_adapters_left_compute_as_before(
     with torch.no_grad(), slots.routed([held[2]]):
         before = model(tokens).logits
     full = slots.nbytes()
+    assert full == sum(module.nbytes() for module in slots.modules.values())  # the stacks' own
     for slot in (held[0], held[1], held[3]):
         slots.unload(slot)
     assert slots.shrink(slack=4.0) == 0  # four places for one adapter: within that slack
     given = slots.shrink()
     assert given == full * 3 // 4 and slots.capacity == {8: 1}
+    assert slots.nbytes() == sum(module.nbytes() for module in slots.modules.values())
     assert slots.where[held[2]] == (8, 0)
     with torch.no_grad(), slots.routed([held[2]]):
         assert torch.equal(model(tokens).logits, before)
