@@ -672,6 +672,8 @@ class TorchEngine:
         self._parked = [r for r in parked if r.running >= self.rows_per_request]
         self._waiting.extend(r for r in parked if r.running < self.rows_per_request)
         line, self._waiting = self._waiting, []
+        if not line:  # most steps: nothing to admit, and no memory plan to make
+            return
         used = {name: len(batch.rows) for name, batch in self._batches.items()}
         plan = self._plan()
         fresh: dict[str, list[tuple[_Request, int]]] = {}  # to prefill, with rows to give
@@ -1374,5 +1376,20 @@ def _choose(
             "the likely cause is the temperature, which must be a finite number above 0 (or 0 "
             "for the most likely token)"
         )
-    picks = [torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generators, strict=True)]
-    return torch.cat(picks)
+    return _draw(probs, generators)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token from each row of ``probs`` (finite, not negative, each row's sum above 0),
+    by the inverse of its cumulative distribution at a uniform number drawn from the row's own
+    generator: one small draw per row, and the rest for all rows at once (a ``multinomial``
+    per row costs more than the decoding step's forward of a small model, over a 49k-token
+    vocabulary). A token of probability 0 is never drawn: the first index whose cumulative
+    sum exceeds the scaled uniform has a mass of its own."""
+    uniform = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    cumulative = probs.cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    picks = torch.searchsorted(cumulative, uniform[:, None] * total, right=True)[:, 0]
+    # A uniform just below 1 times the total may round up to it: the last token with a mass.
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int32).argmax(dim=-1)
+    return torch.minimum(picks, last)

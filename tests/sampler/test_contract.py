@@ -52,16 +52,16 @@ def _linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 def _write_adapter(
     directory: Path, seed: int, shapes: dict[str, tuple[int, int]]
 ) -> dict[str, torch.Tensor]:
-    """A rank-4 adapter on every attention and MLP projection, in PEFT's format; returns the
-    weight delta of each module."""
+    """A rank-4 adapter on every attention and MLP projection, in PEFT's format; returns each
+    module's ``(A, B)``."""
     generator = torch.Generator().manual_seed(seed)
-    tensors, deltas = {}, {}
+    tensors, pairs = {}, {}
     for name, (out_features, in_features) in shapes.items():
         a = torch.randn(RANK, in_features, generator=generator) * 0.3
         b = torch.randn(out_features, RANK, generator=generator) * 0.3
         tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-        deltas[name] = (ALPHA / RANK) * b @ a
+        pairs[name] = (a, b)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     config = {
@@ -78,12 +78,15 @@ def _write_adapter(
         "modules_to_save": None,
     }
     (directory / "adapter_config.json").write_text(json.dumps(config))
-    return deltas
+    return pairs
 
 
 class Reference:
     """Logprobs from a plain float32 forward of the base model, or of a copy with an adapter's
-    deltas added to its weights."""
+    path added to each projection it targets, unmerged, as PEFT computes it (its ``B (A x)``
+    times the scale added to the projection's output). Merged into the weights instead, these
+    adapters, far larger than the weights, round differently enough to move a logprob by 1e-4
+    now and then."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -93,12 +96,21 @@ class Reference:
         model = AutoModelForCausalLM.from_pretrained(self.directory, dtype=torch.float32)
         return model.eval()
 
-    def add(self, key: str, deltas: dict[str, torch.Tensor]) -> None:
+    def add(self, key: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         model = self._load()
         modules = dict(model.named_modules())
-        with torch.no_grad():
-            for name, delta in deltas.items():
-                modules[name].weight += delta
+        for name, (a, b) in pairs.items():
+
+            def adapted(
+                module: torch.nn.Module,
+                inputs: tuple[torch.Tensor, ...],
+                out: torch.Tensor,
+                a: torch.Tensor = a,
+                b: torch.Tensor = b,
+            ) -> torch.Tensor:
+                return out + (inputs[0] @ a.T) @ b.T * (ALPHA / RANK)
+
+            modules[name].register_forward_hook(adapted)
         self.models[key] = model
 
     @torch.inference_mode()

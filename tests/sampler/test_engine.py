@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from services.sampler.engine import evictions, run_all
-from services.sampler.torch_engine import TorchEngine
+from services.sampler.torch_engine import TorchEngine, _choose
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -338,3 +338,43 @@ def test_target_ids_and_alternative_tokens_of_the_prompt(engine: TorchEngine) ->
     drawn = np.frombuffer(greedy.prompt_alt_tokens.tokens.dense, "<i8").reshape(5, 3)
     assert (drawn == best[:, None]).all()
     assert tokens.shape == (5, 3)
+
+
+def _frequencies(logits: list[float], params: tp.SamplingParams, draws: int) -> torch.Tensor:
+    """How often each token is drawn from ``logits`` in ``draws`` rows, each row with its own
+    generator, as the engine draws them."""
+    rows = torch.tensor([logits]).expand(draws, -1).contiguous()
+    generators = [torch.Generator().manual_seed(seed) for seed in range(draws)]
+    picks = _choose(rows, rows.amax(dim=-1), params, generators)
+    # Each row's draw is its generator's: the same in any order, and in any company.
+    order = torch.randperm(draws, generator=torch.Generator().manual_seed(1))[:500]
+    again = [torch.Generator().manual_seed(int(seed)) for seed in order]
+    assert torch.equal(_choose(rows[order], rows[order].amax(dim=-1), params, again), picks[order])
+    return torch.bincount(picks, minlength=len(logits)).double() / draws
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        # The softmax at temperature 0.5: logits 2, 1, 0.5, 0, -1 doubled.
+        (tp.SamplingParams(temperature=0.5, top_k=-1, top_p=1.0), None),
+        # The three largest, renormalised.
+        (tp.SamplingParams(temperature=1.0, top_k=3, top_p=1.0), [3]),
+        # The smallest prefix reaching 0.75 of the mass: 0.563 + 0.207 (0.126 and after cut).
+        (tp.SamplingParams(temperature=1.0, top_k=-1, top_p=0.75), [2]),
+    ],
+)
+def test_each_token_is_drawn_at_its_probability_and_a_cut_one_never(
+    params: tp.SamplingParams, expected: list[int] | None
+) -> None:
+    logits = [2.0, 1.0, 0.5, 0.0, -1.0]
+    draws = 20000
+    probs = torch.softmax(torch.tensor(logits, dtype=torch.float64) / params.temperature, -1)
+    if expected is not None:  # the tokens kept
+        probs[expected[0] :] = 0
+        probs /= probs.sum()
+    seen = _frequencies(logits, params, draws)
+    # Within 4.5 standard deviations of a binomial count (the draws are seeded: no flakes).
+    sigma = (probs * (1 - probs) / draws).sqrt()
+    assert ((seen - probs).abs() <= 4.5 * sigma + 1e-12).all(), (seen, probs)
+    assert (seen[probs == 0] == 0).all()
