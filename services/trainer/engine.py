@@ -79,7 +79,6 @@ from tinsmith.tensors import batched, decode_tensor, model_input_tokens
 from . import losses
 
 _T = TypeVar("_T")
-_K = TypeVar("_K")
 
 # The float32 logits the LM head computes at a time (a chunk of positions): what the loss holds
 # at once whatever the sequence length, instead of every position's (a 4096-token sequence of a
@@ -977,7 +976,7 @@ def _begin_steps(asks: Sequence[tuple[Run, bus.AdamParams]]) -> list[_Step | Exc
         if math.isfinite(value):
             outcomes.append(_Step.begin(run, adam, grads, norm))
             continue
-        broken = _not_finite(dict(grads))
+        broken = _not_finite(grads)
         if broken:
             outcomes.append(
                 Unprocessable(
@@ -1212,7 +1211,7 @@ def _accumulate(
     return summed
 
 
-def _not_finite(tensors: Mapping[_K, torch.Tensor | None]) -> list[_K]:
+def _not_finite(tensors: Mapping[str, torch.Tensor | None]) -> list[str]:
     """The names of the tensors that hold a NaN or an infinity (one device sync for all)."""
     present = {n: t for n, t in tensors.items() if t is not None}
     if not present:
