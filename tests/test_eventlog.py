@@ -7,7 +7,7 @@ import asyncio
 from tinsmith import events, jobs, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import MAX_BODY_BYTES
-from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
+from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection, Outcome
 
 
 def _session(session_id: str) -> bus.Event:
@@ -64,8 +64,8 @@ async def test_a_result_too_large_to_store_fails_its_request_with_the_limit(
     )
     await eventlog.append(events.make(request_accepted=accepted), request_aggregate="sampler")
 
-    async def work() -> tuple[bytes, str]:
-        return b"\x00" * (9 * 2**20), PROTOBUF
+    async def work() -> Outcome:
+        return Outcome(b"\x00" * (9 * 2**20), PROTOBUF)
 
     await eventlog.settle(accepted, work, request_aggregate="sampler", worker="sampler")
     await projection.catch_up()
@@ -90,8 +90,8 @@ async def test_an_outcome_the_bus_does_not_take_at_once_is_recorded_once_it_does
     await eventlog.append(events.make(request_accepted=accepted), request_aggregate="sampler")
     await eventlog.bus.js.delete_stream(subjects.RESULTS_STREAM)
 
-    async def work() -> tuple[bytes, str]:
-        return b'{"ok": 1}', JSON
+    async def work() -> Outcome:
+        return Outcome(b'{"ok": 1}', JSON)
 
     async def restore() -> None:
         await asyncio.sleep(1.0)

@@ -37,6 +37,7 @@ CHECKPOINT_TYPES = {
 }
 # Every artifact of a run lives under runs/<run id>/<what>/<name>: exactly four key components.
 RUNS = "runs"
+TRACES = "traces"  # traces/<session id>: a session's trace, outside every run
 KEY_DEPTH = 4
 _EPHEMERAL = "ephemeral"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
@@ -123,3 +124,14 @@ def ephemeral_run(key: str) -> str:
 def ephemeral_sampler_key(model_id: str, sampler_id: str) -> str:
     """The key of the unnamed snapshot behind ``save_weights_and_get_sampling_client``."""
     return f"{RUNS}/{model_id}/{_EPHEMERAL}/{subjects.check_id('sampler id', sampler_id)}"
+
+
+def trace_key(session_id: str) -> str:
+    """The key of a session's trace (``export_session_trace``), rewritten at each export."""
+    return f"{TRACES}/{subjects.check_id('session id', session_id)}"
+
+
+def trace_session(key: str) -> str:
+    """The session whose trace ``key`` holds; "" for any other key."""
+    parts = key.split("/")
+    return parts[1] if len(parts) == 2 and parts[0] == TRACES else ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 _Row = TypeVar("_Row", bound="Base")
 
 # Bump when the tables change: a catalog of another schema is dropped and rebuilt from the log.
-SCHEMA = 1
+SCHEMA = 2
 # Snapshots of a run kept in the store: the newest, and the one before it.
 SNAPSHOTS_KEPT = 2
 _LOG = "events"
@@ -60,6 +61,7 @@ class Base(DeclarativeBase):
         list[str]: JSON,
         int: BigInteger,
         float: Float(precision=53),
+        dict[str, float | None]: JSON,
     }
 
 
@@ -105,6 +107,17 @@ class RunRow(Base):
     ready: Mapped[bool] = mapped_column(default=False)
     tokenizer_id: Mapped[str] = mapped_column(String(1000), default="")
     loaded_from: Mapped[str] = mapped_column(String(600), default="")
+    # What the console lists and filters by: its session's tags (each between two separators,
+    # so that one is found with LIKE), its sweep (``sweep_of``), the optim_steps it completed
+    # (the step its next metrics belong to), its requests not yet settled, the loss function of
+    # its latest forward_backward, and the newest trainer hold on it (RunPlaced.epoch: outcomes
+    # of an older one are fenced off, as in tinsmith/jobs.py).
+    tags: Mapped[str] = mapped_column(String(2000), default="")
+    sweep: Mapped[str] = mapped_column(String(200), default="", index=True)
+    steps: Mapped[int] = mapped_column(default=0)
+    pending: Mapped[int] = mapped_column(default=0)
+    loss_fn: Mapped[str] = mapped_column(String(50), default="")
+    epoch: Mapped[int] = mapped_column(default=0)
 
 
 class CheckpointRow(Base):
@@ -141,6 +154,46 @@ class SamplerRow(Base):
     created_at: Mapped[float]
 
 
+class RequestRow(Base):
+    """One request's life, from the log: when it was accepted, when its work began, how long it
+    computed, when its outcome was recorded, and the scalars it reported. A sample counts toward
+    the run whose weights it sampled (``model_id``) when that run is its caller's."""
+
+    __tablename__ = "requests"
+    request_id: Mapped[str] = mapped_column(String(250), primary_key=True)
+    seq: Mapped[int] = mapped_column(index=True)
+    aggregate_id: Mapped[str] = mapped_column(String(200))  # the run, or the sampler
+    model_id: Mapped[str] = mapped_column(String(200), index=True)  # "" for no run
+    session_id: Mapped[str] = mapped_column(String(200), index=True)
+    op: Mapped[str] = mapped_column(String(30))
+    status: Mapped[str] = mapped_column(String(12))  # pending | completed | failed | cancelled
+    accepted_at: Mapped[float]
+    started_at: Mapped[float | None]
+    compute_s: Mapped[float | None]
+    finished_at: Mapped[float | None]
+    step: Mapped[int | None]
+    weight: Mapped[int] = mapped_column(default=1)  # its datums: what a :mean is weighted by
+    error_kind: Mapped[str] = mapped_column(String(50), default="")
+    error_detail: Mapped[str] = mapped_column(String(500), default="")
+    replica: Mapped[str] = mapped_column(String(200), default="")
+    metrics: Mapped[dict[str, float | None]] = mapped_column(default=dict)
+
+
+class MetricRow(Base):
+    """One scalar of a run at a step: the step's requests' metrics combined as the SDK combines
+    a batch's chunks (``:sum`` added, ``:mean`` weighted by datums, ``:min``, ``:max``; any other
+    reduction keeps the latest), or a value the client reported (the latest). None: the value
+    was not a finite number (a diverged loss)."""
+
+    __tablename__ = "run_metrics"
+    key: Mapped[str] = mapped_column(String(700), primary_key=True)  # _metric_key
+    model_id: Mapped[str] = mapped_column(String(200), index=True)
+    step: Mapped[int]
+    name: Mapped[str] = mapped_column(String(200))
+    value: Mapped[float | None]
+    weight: Mapped[float] = mapped_column(default=0.0)
+
+
 class BlobRow(Base):
     """Every artifact in the object store that the log says is live: checkpoints, the snapshots
     of unloaded runs, and the unnamed adapters behind samplers. Anything else under ``runs/`` is
@@ -154,7 +207,18 @@ class BlobRow(Base):
     seq: Mapped[int]
 
 
-TABLES: tuple[type[Base], ...] = (Position, SessionRow, RunRow, CheckpointRow, SamplerRow, BlobRow)
+TABLES: tuple[type[Base], ...] = (
+    Position,
+    SessionRow,
+    RunRow,
+    CheckpointRow,
+    SamplerRow,
+    BlobRow,
+    RequestRow,
+    MetricRow,
+)
+# The tags column's separator: a character no tag a person types holds.
+_TAG_SEP = "\x1f"
 
 
 # -- opening -----------------------------------------------------------------------------------
@@ -253,13 +317,19 @@ def _keys(event: bus.Event) -> list[tuple[type[Base], str]]:
     if kind in ("session_created", "session_finished"):
         return [(SessionRow, body.session_id)]
     if kind == "request_accepted":
+        keys: list[tuple[type[Base], str]] = [(RequestRow, body.request_id)]
         if body.WhichOneof("command") == "sample":
-            return []
-        keys: list[tuple[type[Base], str]] = [(RunRow, body.aggregate_id)]
+            keys.append((SamplerRow, body.aggregate_id))
+            run_id = artifacts.run_of_key(body.sample.adapter_key)
+            return keys + ([(RunRow, run_id)] if run_id else [])
+        keys.append((RunRow, body.aggregate_id))
         if body.HasField("create_model"):
             keys.append((SessionRow, body.create_model.session_id))
         return keys
-    if kind == "run_created":
+    if kind in ("request_completed", "request_failed", "request_cancelled"):
+        # A run's own outcome names the run; a sample's names its sampler (no run row).
+        return [(RequestRow, body.request_id), (RunRow, body.aggregate_id)]
+    if kind in ("run_created", "run_placed", "metrics_reported"):
         return [(RunRow, body.model_id)]
     if kind == "weights_saved":
         return [
@@ -324,6 +394,18 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
             finished.finished, finished.finish_reason = True, body.reason
     elif kind == "request_accepted":
         await _accepted(session, seq, event)
+        await _request(session, seq, event)
+    elif kind in ("request_completed", "request_failed", "request_cancelled"):
+        await _settled(session, event)
+    elif kind == "run_placed":
+        run = await _get(session, RunRow, body.model_id)
+        if run is not None:
+            run.epoch = max(run.epoch, body.epoch)
+    elif kind == "metrics_reported":
+        run = await _get(session, RunRow, body.model_id)
+        if run is not None:
+            for name, value in body.metrics.items():
+                await _fold_metric(session, run.model_id, body.step, name, value, weight=None)
     elif kind == "run_created":
         run = await _get(session, RunRow, body.model_id)
         if run is not None:
@@ -361,6 +443,8 @@ async def _accepted(session: AsyncSession, seq: int, event: bus.Event) -> None:
     run = await _get(session, RunRow, accepted.aggregate_id)
     if run is not None:
         run.last_request_time = max(run.last_request_time, event.time)
+        if accepted.HasField("forward_backward") and not accepted.forward_backward.forward_only:
+            run.loss_fn = accepted.forward_backward.loss_fn[:50]
         return
     if not accepted.HasField("create_model"):
         return
@@ -383,8 +467,151 @@ async def _accepted(session: AsyncSession, seq: int, event: bus.Event) -> None:
             created_at=event.time,
             last_request_time=event.time,
             loaded_from=create.load_path,
+            tags="".join(f"{_TAG_SEP}{tag}" for tag in owner.tags) + _TAG_SEP if owner else "",
+            sweep=sweep_of(dict(create.user_metadata), owner.user_metadata if owner else {}),
+            steps=0,
+            pending=0,
+            loss_fn="",
+            epoch=0,
         ),
     )
+
+
+def sweep_of(run_metadata: dict[str, str], session_metadata: dict[str, str]) -> str:
+    """The sweep a run belongs to: the ``sweep`` of its own user_metadata, else of its
+    session's (``ServiceClient(user_metadata={"sweep": ...})`` tags every run of a session)."""
+    return (run_metadata.get("sweep") or session_metadata.get("sweep") or "")[:200]
+
+
+async def _request(session: AsyncSession, seq: int, event: bus.Event) -> None:
+    """A request's row, from its acceptance. A run's counts toward the run; a sample toward the
+    run whose weights it samples when its session's tenant owns that run (a published
+    checkpoint sampled by another tenant is not the publisher's to chart)."""
+    accepted = event.request_accepted
+    if await _get(session, RequestRow, accepted.request_id) is not None:
+        return
+    op = events.command_of(accepted)
+    weight = 1
+    if op == "sample":
+        sampler = await _get(session, SamplerRow, accepted.aggregate_id)
+        session_id = sampler.session_id if sampler else ""
+        caller = await _get(session, SessionRow, session_id) if session_id else None
+        run_id = artifacts.run_of_key(accepted.sample.adapter_key)
+        run = await _get(session, RunRow, run_id) if run_id else None
+        mine = run is not None and caller is not None and run.owner == caller.owner != ""
+        model_id = run.model_id if run is not None and mine else ""
+    else:
+        run = await _get(session, RunRow, accepted.aggregate_id)
+        if run is None:
+            return
+        model_id, session_id = run.model_id, run.session_id
+        run.pending += 1
+        if op == "forward_backward":
+            weight = max(1, len(accepted.forward_backward.data))
+            op = "forward" if accepted.forward_backward.forward_only else op
+    _add(
+        session,
+        RequestRow(
+            request_id=accepted.request_id,
+            seq=seq,
+            aggregate_id=accepted.aggregate_id,
+            model_id=model_id,
+            session_id=session_id,
+            op=op,
+            status="pending",
+            accepted_at=event.time,
+            started_at=None,
+            compute_s=None,
+            finished_at=None,
+            step=None,
+            weight=weight,
+            error_kind="",
+            error_detail="",
+            replica="",
+            metrics={},
+        ),
+    )
+
+
+async def _settled(session: AsyncSession, event: bus.Event) -> None:
+    """A request's outcome: the first one recorded under the run's newest hold wins. Its step
+    is the run's optim_steps completed before it (an optim_step closes its own step), and its
+    metrics are folded into the run's at that step."""
+    kind = events.kind_of(event)
+    body = getattr(event, kind)
+    row = await _get(session, RequestRow, body.request_id)
+    if row is None or row.status != "pending":
+        return
+    run = await _get(session, RunRow, row.model_id) if row.model_id else None
+    own = run is not None and row.aggregate_id == run.model_id
+    epoch = events.epoch_of(event)
+    if own and run is not None and epoch and epoch < run.epoch:
+        return  # fenced: recorded by a trainer that had lost the run
+    row.finished_at = event.time
+    if kind == "request_completed":
+        row.status = "completed"
+        row.started_at = body.started or None
+        row.compute_s = body.compute_seconds
+        row.replica = body.replica
+        row.metrics = {name: _finite(value) for name, value in body.metrics.items()}
+    else:
+        row.status = "failed" if kind == "request_failed" else "cancelled"
+        row.error_kind = body.kind[:50] if kind == "request_failed" else "cancelled"
+        row.error_detail = body.detail[:500]
+        if kind == "request_failed":
+            row.started_at = body.started or None
+    if run is None:
+        return
+    if own:
+        run.pending = max(0, run.pending - 1)
+    row.step = run.steps
+    for name, value in body.metrics.items() if kind == "request_completed" else ():
+        await _fold_metric(session, run.model_id, run.steps, name, value, weight=row.weight)
+    if own and row.op == "optim_step" and row.status == "completed":
+        run.steps += 1
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _metric_key(model_id: str, step: int, name: str) -> str:
+    return f"{model_id}\n{step}\n{name}"
+
+
+async def _fold_metric(
+    session: AsyncSession, model_id: str, step: int, name: str, value: float, *, weight: int | None
+) -> None:
+    """Fold one scalar into the run's at ``step``: combined with what the step has of it by the
+    reduction its name ends with (a request's, ``weight`` its datums), or replacing it (a
+    client's report, ``weight`` None)."""
+    name = name[:200]
+    key = _metric_key(model_id, step, name)
+    row = await _get(session, MetricRow, key)
+    new = _finite(value)
+    if row is None:
+        _add(
+            session,
+            MetricRow(
+                key=key, model_id=model_id, step=step, name=name, value=new, weight=weight or 0
+            ),
+        )
+        return
+    reduction = name.rpartition(":")[2] if weight is not None else ""
+    old = row.value
+    if reduction in ("sum", "mean", "min", "max") and (old is None or new is None):
+        row.value = None  # a step with a non-finite part is not finite
+    elif reduction == "sum" and old is not None and new is not None:
+        row.value = old + new
+    elif reduction == "mean" and old is not None and new is not None and weight:
+        row.value = (old * row.weight + new * weight) / (row.weight + weight)
+    elif reduction == "min" and old is not None and new is not None:
+        row.value = min(old, new)
+    elif reduction == "max" and old is not None and new is not None:
+        row.value = max(old, new)
+    else:
+        row.value = new
+    row.weight += weight or 0
 
 
 async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
@@ -606,6 +833,73 @@ async def session_members(session: AsyncSession, session_id: str) -> tuple[list[
         .order_by(SamplerRow.seq)
     )
     return list(run_ids.all()), list(sampler_ids.all())
+
+
+async def console_runs(
+    session: AsyncSession, *, owner: str, tag: str, sweep: str, limit: int, offset: int
+) -> tuple[Sequence[RunRow], int]:
+    """The tenant's runs, newest first, of the sessions tagged ``tag`` and of the sweep
+    ``sweep`` (each filter only when given), and how many there are in all."""
+    condition = visible_to(owner, RunRow.owner)
+    if tag:
+        condition = and_(condition, RunRow.tags.contains(f"{_TAG_SEP}{tag}{_TAG_SEP}"))
+    if sweep:
+        condition = and_(condition, RunRow.sweep == sweep)
+    total = await session.scalar(select(func.count()).select_from(RunRow).where(condition))
+    rows = await session.scalars(
+        select(RunRow).where(condition).order_by(RunRow.seq.desc()).limit(limit).offset(offset)
+    )
+    return rows.all(), int(total or 0)
+
+
+def tags_of(run: RunRow) -> list[str]:
+    return [tag for tag in run.tags.split(_TAG_SEP) if tag]
+
+
+async def series(
+    session: AsyncSession, model_ids: Sequence[str], names: Sequence[str] | None = None
+) -> dict[str, dict[str, list[tuple[int, float | None]]]]:
+    """The runs' metrics by run and name, each a list of ``(step, value)`` in step order (only
+    the metrics ``names``, when given)."""
+    out: dict[str, dict[str, list[tuple[int, float | None]]]] = {m: {} for m in model_ids}
+    if not model_ids:
+        return out
+    condition: ColumnElement[bool] = MetricRow.model_id.in_(list(model_ids))
+    if names is not None:
+        condition = and_(condition, MetricRow.name.in_(list(names)))
+    rows = await session.execute(
+        select(MetricRow.model_id, MetricRow.name, MetricRow.step, MetricRow.value)
+        .where(condition)
+        .order_by(MetricRow.model_id, MetricRow.name, MetricRow.step)
+    )
+    for model_id, name, step, value in rows.all():
+        out[model_id].setdefault(name, []).append((int(step), value))
+    return out
+
+
+async def run_requests(
+    session: AsyncSession, model_id: str, *, limit: int, offset: int
+) -> tuple[Sequence[RequestRow], int]:
+    """The requests that count toward a run (its own, and the samples of its weights by its
+    tenant), newest first, and how many there are in all."""
+    condition = RequestRow.model_id == model_id
+    total = await session.scalar(select(func.count()).select_from(RequestRow).where(condition))
+    rows = await session.scalars(
+        select(RequestRow)
+        .where(condition)
+        .order_by(RequestRow.seq.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    return rows.all(), int(total or 0)
+
+
+async def session_requests(session: AsyncSession, session_id: str) -> Sequence[RequestRow]:
+    """Every request of a session's runs and samplers, in the order they were accepted."""
+    rows = await session.scalars(
+        select(RequestRow).where(RequestRow.session_id == session_id).order_by(RequestRow.seq)
+    )
+    return rows.all()
 
 
 async def expired(session: AsyncSession, now: float) -> Sequence[CheckpointRow]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 from nats import errors as nats_errors
 from nats.js.errors import NoStreamResponseError
@@ -53,6 +54,16 @@ _TRANSIENT = (
     NoStreamResponseError,
     Unavailable,
 )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a request's work produced: its result, and the scalars of it that the catalog keeps
+    per run and step (``RequestCompleted.metrics``)."""
+
+    body: bytes
+    media_type: str
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 class ResultTooLarge(InvalidRequest):
@@ -105,10 +116,12 @@ class EventLog:
         request_aggregate: str,
         compute_seconds: float = 0.0,
         epoch: int = 0,
+        metrics: Mapping[str, float] | None = None,
+        started: float = 0.0,
     ) -> None:
         """Store a result, then record the completion that points at it. ``epoch``: the
         recording trainer's hold on the run (``bus.RunPlaced``); outcomes of an older one are
-        ignored by the folds."""
+        ignored by the folds. ``metrics`` and ``started``: as ``bus.RequestCompleted`` says."""
         seq = await self.put_result(request_id, body, media_type, epoch=epoch)
         done = bus.RequestCompleted(
             request_id=request_id,
@@ -118,6 +131,8 @@ class EventLog:
             compute_seconds=compute_seconds,
             replica=self.bus.replica,
             epoch=epoch,
+            metrics=metrics or {},
+            started=started,
         )
         await self.append(
             events.make(request_completed=done),
@@ -134,9 +149,15 @@ class EventLog:
         *,
         request_aggregate: str,
         epoch: int = 0,
+        started: float = 0.0,
     ) -> None:
         failed = bus.RequestFailed(
-            request_id=request_id, aggregate_id=aggregate_id, kind=kind, detail=detail, epoch=epoch
+            request_id=request_id,
+            aggregate_id=aggregate_id,
+            kind=kind,
+            detail=detail,
+            epoch=epoch,
+            started=started,
         )
         await self.append(
             events.make(request_failed=failed),
@@ -163,7 +184,7 @@ class EventLog:
     async def settle(
         self,
         accepted: bus.RequestAccepted,
-        work: Callable[[], Awaitable[tuple[bytes, str]]],
+        work: Callable[[], Awaitable[Outcome]],
         *,
         request_aggregate: str,
         worker: str,
@@ -176,9 +197,10 @@ class EventLog:
         ``confirm``, asked before recording: whether the worker may still record for the
         aggregate (a trainer that lost its hold on the run records nothing)."""
         started = time.perf_counter()
+        began = time.time()
         command = events.command_of(accepted)
         try:
-            body, media_type = await work()
+            outcome = await work()
         except Cancelled as cancelled:
             # Its outcome, the cancellation, is in the log already: nothing to record.
             telemetry.record_error(trace.get_current_span(), cancelled.kind, cancelled.detail)
@@ -201,11 +223,13 @@ class EventLog:
                     lambda: self.complete(
                         accepted.request_id,
                         accepted.aggregate_id,
-                        body,
-                        media_type,
+                        outcome.body,
+                        outcome.media_type,
                         request_aggregate=request_aggregate,
                         compute_seconds=time.perf_counter() - started,
                         epoch=epoch,
+                        metrics=outcome.metrics,
+                        started=began,
                     ),
                 )
             except TinsmithError as error:  # a result too large to store
@@ -230,6 +254,7 @@ class EventLog:
                 failure.detail,
                 request_aggregate=request_aggregate,
                 epoch=epoch,
+                started=began,
             ),
         )
         telemetry.work_done(command, time.perf_counter() - started, failure.kind)

@@ -25,6 +25,7 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "run_restored": ("run", "model_id"),
     "run_snapshotted": ("run", "model_id"),
     "run_placed": ("run", "model_id"),
+    "metrics_reported": ("run", "model_id"),
     "sampler_created": ("sampler", "sampler_id"),
     "checkpoint_deleted": ("run", "model_id"),
     "checkpoint_published": ("run", "model_id"),

@@ -62,6 +62,12 @@ CATALOG_OPS = (
     "external_weights_urls",
     "storage_usage",
     "gc",
+    "run_metrics",
+    "run_requests",
+    "report_metrics",
+    "console_runs",
+    "sweep",
+    "trace_export",
 )
 
 AGGREGATES = ("session", "run", "sampler", "key")

@@ -52,7 +52,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -64,6 +63,8 @@ from tinsmith.eventlog import EventLog
 from tinsmith.failures import InvalidRequest, NotFound, TinsmithError
 from tinsmith.limits import TTL_MAX_S, TTL_MIN_S
 
+from . import access
+from .progress import Progress
 from .projection import SqlProjection
 from .storage import Storage
 
@@ -88,6 +89,7 @@ class Catalog:
         self.storage = storage
         self.blobs = blobs
         self.url_ttl_s = url_ttl_s
+        self.progress = Progress(eventlog, projection, blobs, url_ttl_s=url_ttl_s)
 
     def operations(self) -> dict[str, Callable[[bytes], Awaitable[bytes]]]:
         """Each catalog operation (tinsmith/subjects.CATALOG_OPS) and its bus handler."""
@@ -105,6 +107,12 @@ class Catalog:
             "external_weights_urls": self.external_weights_urls,
             "storage_usage": self.storage_usage,
             "gc": self.gc,
+            "run_metrics": self.progress.run_metrics,
+            "run_requests": self.progress.run_requests,
+            "report_metrics": self.progress.report_metrics,
+            "console_runs": self.progress.console_runs,
+            "sweep": self.progress.sweep,
+            "trace_export": self.progress.trace_export,
         }
         return {name: _answer(name, fn) for name, fn in ops.items()}
 
@@ -113,24 +121,25 @@ class Catalog:
     async def training_run(self, query: bus.CatalogQuery) -> JsonDict:
         await self.projection.catch_up()
         async with self.projection.session() as session:
-            run = await self._run(session, query, query.training_run_id)
-            return await _training_run(session, run, owned=_owns(query, run.owner))
+            run = await access.find_run(session, query, query.training_run_id)
+            return await _training_run(session, run, owned=access.owns(query, run.owner))
 
     async def training_runs(self, query: bus.CatalogQuery) -> JsonDict:
-        limit, offset = _page(query, default_limit=20)
+        limit, offset = access.page(query, default_limit=20)
         await self.projection.catch_up()
         async with self.projection.session() as session:
             rows, total = await catalog.runs(
                 session,
                 owner=query.owner,
-                accessible=_accessible(query),
+                accessible=access.accessible(query),
                 project_id=query.project_id,
                 limit=limit,
                 offset=offset,
             )
             return {
                 "training_runs": [
-                    await _training_run(session, row, owned=_owns(query, row.owner)) for row in rows
+                    await _training_run(session, row, owned=access.owns(query, row.owner))
+                    for row in rows
                 ],
                 "cursor": {"offset": offset, "limit": limit, "total_count": total},
             }
@@ -138,8 +147,8 @@ class Catalog:
     async def checkpoints(self, query: bus.CatalogQuery) -> JsonDict:
         await self.projection.catch_up()
         async with self.projection.session() as session:
-            run = await self._run(session, query, query.training_run_id)
-            owned = _owns(query, run.owner)
+            run = await access.find_run(session, query, query.training_run_id)
+            owned = access.owns(query, run.owner)
             rows = await catalog.checkpoints_of(session, run.model_id, published_only=not owned)
         return {
             "checkpoints": [_checkpoint(row, owned=owned) for row in rows],
@@ -147,7 +156,7 @@ class Catalog:
         }
 
     async def user_checkpoints(self, query: bus.CatalogQuery) -> JsonDict:
-        limit, offset = _page(query, default_limit=100)
+        limit, offset = access.page(query, default_limit=100)
         await self.projection.catch_up()
         async with self.projection.session() as session:
             rows, total = await catalog.user_checkpoints(
@@ -171,7 +180,7 @@ class Catalog:
         }
 
     async def sessions(self, query: bus.CatalogQuery) -> JsonDict:
-        limit, offset = _page(query, default_limit=20)
+        limit, offset = access.page(query, default_limit=20)
         await self.projection.catch_up()
         async with self.projection.session() as session:
             rows = await catalog.sessions(session, owner=query.owner, limit=limit, offset=offset)
@@ -180,9 +189,7 @@ class Catalog:
     async def session(self, query: bus.CatalogQuery) -> JsonDict:
         await self.projection.catch_up()
         async with self.projection.session() as session:
-            row = await session.get(catalog.SessionRow, query.session_id)
-            if row is None or not _owns(query, row.owner):
-                raise NotFound(f"no session {query.session_id!r} of this tenant")
+            row = await access.find_session(session, query, query.session_id)
             run_ids, sampler_ids = await catalog.session_members(session, row.session_id)
         body: JsonDict = {
             "training_run_ids": run_ids,
@@ -237,7 +244,7 @@ class Catalog:
                 + self.blobs.signed_query(row.blob_key, name, expires=expires, tenant=query.owner)
                 for name in sorted(files)
             }
-        return {"urls": urls, "expires": _iso(expires)}
+        return {"urls": urls, "expires": access.iso(expires)}
 
     # -- changes -------------------------------------------------------------------------------
 
@@ -273,28 +280,6 @@ class Catalog:
         grace = query.grace_s if query.grace_s > 0 else self.storage.gc_grace_s
         return {"removed": await self.storage.collect(grace)}
 
-    async def _run(
-        self, session: AsyncSession, query: bus.CatalogQuery, model_id: str
-    ) -> catalog.RunRow:
-        """The run a query names: the caller's, or with ``access_scope=accessible`` another
-        tenant's that has a published checkpoint. Anything else is NotFound, worded the same
-        whether the run exists or not."""
-        accessible = _accessible(query)  # a scope that is not one is refused either way
-        run = await session.get(catalog.RunRow, model_id)
-        if run is not None and _owns(query, run.owner):
-            return run
-        if (
-            run is not None
-            and accessible
-            and query.owner
-            and await catalog.has_public_checkpoint(session, model_id)
-        ):
-            return run
-        raise NotFound(
-            f"no training run {model_id!r} of this tenant (access_scope='accessible' also "
-            "finds other tenants' runs with a published checkpoint)"
-        )
-
     async def _checkpoint(self, query: bus.CatalogQuery, *, mine: bool) -> catalog.CheckpointRow:
         """The checkpoint a query names. Changing it (``mine``) needs its owner; reading it, its
         owner or its publication. Anything else is NotFound, worded the same whether the
@@ -303,7 +288,7 @@ class Catalog:
         await self.projection.catch_up()
         async with self.projection.session() as session:
             row = await session.get(catalog.CheckpointRow, str(path))
-        if row is not None and _owns(query, row.owner):
+        if row is not None and access.owns(query, row.owner):
             return row
         if row is not None and not mine and query.owner and row.owner and row.public:
             return row
@@ -339,7 +324,7 @@ async def _training_run(session: AsyncSession, run: catalog.RunRow, *, owned: bo
         "is_lora": True,
         "corrupted": False,
         "lora_rank": run.lora_rank,
-        "last_request_time": _iso(last_request_time),
+        "last_request_time": access.iso(last_request_time),
         "last_checkpoint": _checkpoint(training, owned=owned) if training else None,
         "last_sampler_checkpoint": _checkpoint(sampler, owned=owned) if sampler else None,
         "user_metadata": dict(run.user_metadata) if owned else None,
@@ -352,40 +337,14 @@ def _checkpoint(row: catalog.CheckpointRow, *, owned: bool) -> JsonDict:
     body: JsonDict = {
         "checkpoint_id": row.checkpoint_id,
         "checkpoint_type": row.checkpoint_type,
-        "time": _iso(row.created_at),
+        "time": access.iso(row.created_at),
         "tinker_path": row.tinker_path,
         "size_bytes": row.size_bytes,
         "public": row.public,
         "user_metadata": (dict(row.user_metadata) or None) if owned else None,
-        "expires_at": _iso(row.expires_at) if row.expires_at is not None else None,
+        "expires_at": access.iso(row.expires_at) if row.expires_at is not None else None,
     }
     return body
-
-
-def _owns(query: bus.CatalogQuery, owner: str) -> bool:
-    """Whether the caller is the tenant ``owner``; the empty owner is no tenant and owns
-    nothing."""
-    return bool(query.owner) and owner == query.owner
-
-
-def _accessible(query: bus.CatalogQuery) -> bool:
-    scope = query.access_scope or "owned"
-    if scope not in ("owned", "accessible"):
-        raise InvalidRequest(f"access_scope {scope!r} is not accepted: use 'owned' or 'accessible'")
-    return scope == "accessible"
-
-
-def _page(query: bus.CatalogQuery, *, default_limit: int) -> tuple[int, int]:
-    limit = query.limit or default_limit
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest(f"limit {limit} is out of range: use 1 to 1000")
-    if query.offset < 0:
-        raise InvalidRequest(f"offset {query.offset} is out of range: use 0 or more")
-    return limit, query.offset
-
-
-def _iso(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp, UTC).isoformat()
 
 
 def _answer(

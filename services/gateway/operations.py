@@ -637,14 +637,21 @@ def readable_checkpoint(call: Call, path: str) -> bus.WeightsSaved:
     return held
 
 
-def downloadable(call: Call, blob_key: str) -> bus.WeightsSaved:
-    """The checkpoint stored at ``blob_key``, if the caller may download it: its own, or a
-    published one."""
+def downloadable(call: Call, blob_key: str) -> str:
+    """What is stored at ``blob_key``, if the caller may download it: a checkpoint of its own
+    or a published one (its tinker:// path), or the trace of a session of its own (the
+    session's id)."""
+    traced = artifacts.trace_session(blob_key)
+    if traced:
+        held_session = call.state.sessions.get(traced)
+        if held_session is None or not call.owns(held_session.owner):
+            raise NotFound("the trace is not available: its session is not this tenant's")
+        return traced
     for path, held in call.state.checkpoints.items():
         if held.blob_key == blob_key and (
             call.owns(call.state.owner_of(held.model_id)) or path in call.state.published
         ):
-            return held
+            return path
     raise NotFound("the file is no longer available: its checkpoint was deleted or unpublished")
 
 

@@ -72,6 +72,13 @@ class Rest:
         get(API + "/sessions", self.sessions)
         get(API + "/sessions/{session}", self.session)
         get(API + "/billing/usage/checkpoints/current", self.storage_usage)
+        # How runs are going (services/checkpoint/progress.py): what the console shows.
+        get(API + "/training_runs/{run}/metrics", self.run_metrics)
+        add("POST", API + "/training_runs/{run}/metrics", self.report_metrics)
+        get(API + "/training_runs/{run}/requests", self.run_requests)
+        get(API + "/console/runs", self.console_runs)
+        get(API + "/sweeps/{sweep}", self.sweep)
+        get(API + "/sessions/{session}/trace_export", self.trace_export)
         get(API + "/blobs/{path:.+}", self.download)
 
     async def ask(self, op: str, tenant: Tenant, **fields: Any) -> bytes:
@@ -190,6 +197,78 @@ class Rest:
             "storage_usage", request, project_id=wire.text(dict(request.query), "project_id")
         )
 
+    # -- progress ------------------------------------------------------------------------------
+
+    async def run_metrics(self, request: web.Request) -> web.Response:
+        return await self._ask("run_metrics", request, training_run_id=_run(request))
+
+    async def report_metrics(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        metrics = body.get("metrics")
+        if not isinstance(metrics, dict) or not all(
+            isinstance(value, int | float) and not isinstance(value, bool)
+            for value in metrics.values()
+        ):
+            raise InvalidRequest(
+                "the body needs 'metrics', an object of names and finite numbers, e.g. "
+                '{"metrics": {"reward": 0.5}, "step": 3} (step: optional, the run\'s current '
+                "step by default)"
+            )
+        step = body.get("step")
+        if step is not None and (
+            not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= INT32_MAX
+        ):
+            raise InvalidRequest(
+                f"step must be a step number from 0 to {INT32_MAX}, or null for the run's "
+                f"current step; got {step!r:.50}"
+            )
+        return await self._ask(
+            "report_metrics",
+            request,
+            training_run_id=_run(request),
+            metrics={str(name): float(value) for name, value in metrics.items()},
+            step=step,
+        )
+
+    async def run_requests(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "run_requests",
+            request,
+            training_run_id=_run(request),
+            limit=_int(request, "limit", 100),
+            offset=_int(request, "offset", 0),
+        )
+
+    async def console_runs(self, request: web.Request) -> web.Response:
+        query = dict(request.query)
+        return await self._ask(
+            "console_runs",
+            request,
+            tag=wire.text(query, "tag"),
+            sweep=wire.text(query, "sweep"),
+            limit=_int(request, "limit", 50),
+            offset=_int(request, "offset", 0),
+        )
+
+    async def sweep(self, request: web.Request) -> web.Response:
+        query = dict(request.query)
+        return await self._ask(
+            "sweep",
+            request,
+            sweep=request.match_info["sweep"][:200],
+            metric=wire.text(query, "metric"),
+            goal=wire.text(query, "goal"),
+        )
+
+    async def trace_export(self, request: web.Request) -> web.Response:
+        """``export_session_trace``: the trace is built when asked, so it is ready at once."""
+        return await self._ask(
+            "trace_export",
+            request,
+            session_id=subjects.check_id("session id", request.match_info["session"]),
+            base_url=download_base(self.config, request.host),
+        )
+
     # -- downloads -----------------------------------------------------------------------------
 
     async def download(self, request: web.Request) -> web.StreamResponse:
@@ -241,6 +320,10 @@ def _path(request: web.Request) -> str:
     info = request.match_info
     checkpoint = artifacts.checkpoint(info["run"], f"{info['segment']}/{info['name']}")
     return str(checkpoint)
+
+
+def _run(request: web.Request) -> str:
+    return subjects.check_id("training run id", request.match_info["run"])
 
 
 def _int(request: web.Request, name: str, default: int) -> int:

@@ -56,7 +56,7 @@ from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
-from tinsmith.eventlog import PROTOBUF, EventLog
+from tinsmith.eventlog import PROTOBUF, EventLog, Outcome
 from tinsmith.failures import Cancelled, NotFound, Unprocessable
 from tinsmith.tensors import tokens_from_bytes
 from tinsmith.workqueue import Delivery, WorkQueue, exhausted
@@ -239,15 +239,20 @@ class Sampler:
         accepted = held.accepted
         telemetry.queue_wait("sample", held.delivery.published_ns, held.delivery.trace)
 
-        async def work() -> tuple[bytes, str]:
+        async def work() -> Outcome:
             await self._admit(ticket, held)
             outcome = await held.outcome
-            self._trace_sampling(held, outcome)
+            generated = self._trace_sampling(held, outcome)
             if isinstance(outcome, Unprocessable):  # its numbers went wrong: say whose they were
                 raise Unprocessable(f"request {accepted.request_id}: {outcome.detail}") from outcome
             if isinstance(outcome, Exception):
                 raise outcome
-            return outcome, PROTOBUF
+            metrics = {
+                "sample/prompt_tokens:sum": len(accepted.sample.prompt),
+                "sample/sampled_tokens:sum": generated,
+                "sample/sequences:sum": max(1, accepted.sample.num_samples),
+            }
+            return Outcome(outcome, PROTOBUF, metrics)
 
         try:
             with (
@@ -309,10 +314,11 @@ class Sampler:
         self.engine.add(ticket, command, adapter_dir)
         return time.time_ns()
 
-    def _trace_sampling(self, held: _Held, outcome: bytes | Exception) -> None:
+    def _trace_sampling(self, held: _Held, outcome: bytes | Exception) -> int:
         """The spans of a request's time in the engine, now that its outcome is known: batch
         formation (until the step that prefilled it into the running batch ended) and compute
-        (until its last token), with its tokens and the batch it shared; and the token counts."""
+        (until its last token), with its tokens and the batch it shared; and the token counts.
+        Returns how many tokens it generated."""
         command = held.accepted.sample
         generated = 0
         if isinstance(outcome, bytes):
@@ -339,6 +345,7 @@ class Sampler:
         counted = {"tinsmith.service": "sampler"}
         telemetry.TOKENS.add(len(command.prompt), {**counted, "tinsmith.tokens": "prompt"})
         telemetry.TOKENS.add(generated, {**counted, "tinsmith.tokens": "generated"})
+        return generated
 
     def _step(self) -> _Step:
         started = time.time_ns()

@@ -51,7 +51,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -64,10 +64,11 @@ from opentelemetry.trace import SpanKind
 from services import gpu
 from tinsmith import artifacts, events, jobs, models, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
-from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection
+from tinsmith.eventlog import JSON, PROTOBUF, EventLog, FollowedProjection, Outcome
 from tinsmith.failures import InternalError, NotFound, TinsmithError
 from tinsmith.leases import Fleet, Replica
 from tinsmith.tensors import model_input_tokens
@@ -491,8 +492,8 @@ class Trainer:
         queue.used = time.monotonic()
         model_id = accepted.aggregate_id
 
-        async def work() -> tuple[bytes, str]:
-            result: tuple[bytes, str] = await handler(accepted, queue)
+        async def work() -> Outcome:
+            result: Outcome = await handler(accepted, queue)
             return result
 
         async def holding() -> bool:
@@ -747,9 +748,7 @@ class Trainer:
 
     # -- commands ------------------------------------------------------------------------------
 
-    async def _create_model(
-        self, accepted: bus.RequestAccepted, queue: _RunQueue
-    ) -> tuple[bytes, str]:
+    async def _create_model(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
         command = accepted.create_model
         model_id = accepted.aggregate_id
         await self._make_run(model_id, command)
@@ -784,9 +783,7 @@ class Trainer:
             ),
         )
 
-    async def _load_weights(
-        self, accepted: bus.RequestAccepted, queue: _RunQueue
-    ) -> tuple[bytes, str]:
+    async def _load_weights(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
         command = accepted.load_weights
         await self._load_into(accepted.aggregate_id, command)
         return _json(
@@ -802,9 +799,7 @@ class Trainer:
             model_id,
         )
 
-    async def _forward_backward(
-        self, accepted: bus.RequestAccepted, queue: _RunQueue
-    ) -> tuple[bytes, str]:
+    async def _forward_backward(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
         request = accepted.forward_backward
         tokens = sum(len(model_input_tokens(datum.model_input)) for datum in request.data)
         attributes: telemetry.Attributes = {
@@ -815,7 +810,16 @@ class Trainer:
         ask = Ask(accepted.aggregate_id, queue.create.base_model, request, tokens, attributes)
         output = await self.fuser.forward_backward(ask)
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
-        return output, PROTOBUF
+        # What the catalog keeps of it per step: the loss's metrics, and what it trained on. A
+        # forward alone (an evaluation) keeps them under its own names.
+        prefix = "forward/" if request.forward_only else ""
+        metrics = {
+            f"{prefix}{name}": value
+            for name, value in tp.ForwardBackwardOutput.FromString(output).metrics.items()
+        }
+        metrics[f"{prefix}tokens:sum"] = tokens
+        metrics[f"{prefix}datums:sum"] = len(request.data)
+        return Outcome(output, PROTOBUF, metrics)
 
     async def _alone(self, ask: Ask) -> Any:
         """A request by itself (the fuser's way for one that runs with no other)."""
@@ -831,9 +835,7 @@ class Trainer:
             ),
         )
 
-    async def _optim_step(
-        self, accepted: bus.RequestAccepted, queue: _RunQueue
-    ) -> tuple[bytes, str]:
+    async def _optim_step(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
         model_id = accepted.aggregate_id
         ask = Ask(
             model_id,
@@ -843,11 +845,9 @@ class Trainer:
             self._attributes(model_id),
         )
         metrics = await self.fuser.optim_step(ask)
-        return _json({"type": "optim_step", "metrics": metrics})
+        return _json({"type": "optim_step", "metrics": metrics}, metrics)
 
-    async def _save_weights(
-        self, accepted: bus.RequestAccepted, queue: _RunQueue
-    ) -> tuple[bytes, str]:
+    async def _save_weights(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
         command = accepted.save_weights
         model_id = accepted.aggregate_id
         training = command.kind == bus.CHECKPOINT_KIND_TRAINING
@@ -925,5 +925,5 @@ class Trainer:
             )
 
 
-def _json(value: object) -> tuple[bytes, str]:
-    return json.dumps(value).encode(), JSON
+def _json(value: object, metrics: Mapping[str, float] | None = None) -> Outcome:
+    return Outcome(json.dumps(value).encode(), JSON, metrics or {})

@@ -245,7 +245,7 @@ def test_front_running_another_tenants_run_spends_none_of_its_seq_ids() -> None:
 def test_a_published_checkpoint_is_readable_by_any_tenant_and_nothing_else_of_its_run() -> None:
     state = _state()
     assert ops.readable_checkpoint(_call(BOB, state), PUBLIC).blob_key == "key/public"
-    assert ops.downloadable(_call(BOB, state), "key/public").tinker_path == PUBLIC
+    assert ops.downloadable(_call(BOB, state), "key/public") == PUBLIC
     created = ops.create_sampler(_call(BOB, state), ops.CreateSampler("SB", 0, "", PUBLIC))
     assert isinstance(created, ops.Append)
     assert created.event.sampler_created.adapter_key == "key/public"

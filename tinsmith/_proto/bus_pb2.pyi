@@ -232,7 +232,14 @@ class RequestCancelled(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class RequestCompleted(_message.Message):
-    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds", "replica", "epoch")
+    __slots__ = ("request_id", "aggregate_id", "result_seq", "media_type", "compute_seconds", "replica", "epoch", "metrics", "started")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     RESULT_SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +247,8 @@ class RequestCompleted(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     aggregate_id: str
     result_seq: int
@@ -247,21 +256,25 @@ class RequestCompleted(_message.Message):
     compute_seconds: float
     replica: str
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., replica: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    started: float
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., result_seq: _Optional[int] = ..., media_type: _Optional[str] = ..., compute_seconds: _Optional[float] = ..., replica: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., started: _Optional[float] = ...) -> None: ...
 
 class RequestFailed(_message.Message):
-    __slots__ = ("request_id", "aggregate_id", "kind", "detail", "epoch")
+    __slots__ = ("request_id", "aggregate_id", "kind", "detail", "epoch", "started")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AGGREGATE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     aggregate_id: str
     kind: str
     detail: str
     epoch: int
-    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    started: float
+    def __init__(self, request_id: _Optional[str] = ..., aggregate_id: _Optional[str] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ..., epoch: _Optional[int] = ..., started: _Optional[float] = ...) -> None: ...
 
 class RunCreated(_message.Message):
     __slots__ = ("model_id", "session_id", "base_model", "lora", "user_metadata", "tokenizer_id", "epoch")
@@ -371,6 +384,23 @@ class RunPlaced(_message.Message):
     takeover: bool
     def __init__(self, model_id: _Optional[str] = ..., replica: _Optional[str] = ..., epoch: _Optional[int] = ..., takeover: _Optional[bool] = ...) -> None: ...
 
+class MetricsReported(_message.Message):
+    __slots__ = ("model_id", "step", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, model_id: _Optional[str] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class SamplerCreated(_message.Message):
     __slots__ = ("sampler_id", "session_id", "base_model", "model_path", "adapter_key")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -386,7 +416,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked", "run_snapshotted", "run_placed")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked", "run_snapshotted", "run_placed", "metrics_reported")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +437,7 @@ class Event(_message.Message):
     KEY_REVOKED_FIELD_NUMBER: _ClassVar[int]
     RUN_SNAPSHOTTED_FIELD_NUMBER: _ClassVar[int]
     RUN_PLACED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_REPORTED_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -427,10 +458,18 @@ class Event(_message.Message):
     key_revoked: KeyRevoked
     run_snapshotted: RunSnapshotted
     run_placed: RunPlaced
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ..., run_snapshotted: _Optional[_Union[RunSnapshotted, _Mapping]] = ..., run_placed: _Optional[_Union[RunPlaced, _Mapping]] = ...) -> None: ...
+    metrics_reported: MetricsReported
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ..., run_snapshotted: _Optional[_Union[RunSnapshotted, _Mapping]] = ..., run_placed: _Optional[_Union[RunPlaced, _Mapping]] = ..., metrics_reported: _Optional[_Union[MetricsReported, _Mapping]] = ...) -> None: ...
 
 class CatalogQuery(_message.Message):
-    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin")
+    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin", "step", "metrics", "tag", "sweep", "metric", "goal")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     TRAINING_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     ACCESS_SCOPE_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +483,12 @@ class CatalogQuery(_message.Message):
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     GRACE_S_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SWEEP_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    GOAL_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     owner: str
     access_scope: str
@@ -457,7 +502,13 @@ class CatalogQuery(_message.Message):
     base_url: str
     grace_s: float
     admin: bool
-    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ..., admin: _Optional[bool] = ...) -> None: ...
+    step: int
+    metrics: _containers.ScalarMap[str, float]
+    tag: str
+    sweep: str
+    metric: str
+    goal: str
+    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ..., admin: _Optional[bool] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tag: _Optional[str] = ..., sweep: _Optional[str] = ..., metric: _Optional[str] = ..., goal: _Optional[str] = ...) -> None: ...
 
 class CatalogReply(_message.Message):
     __slots__ = ("error_kind", "error_detail", "json")
