@@ -1,5 +1,6 @@
 """The ``tinsmith`` command: ``up`` runs everything, ``serve`` runs one service, ``keys`` issues,
-lists and revokes API keys, ``models`` lists and builds the built-in models.
+lists and revokes API keys, ``models`` lists and builds the built-in models, ``runs`` and ``run``
+show how runs go.
 
 Owns: argument parsing and process lifetime at the top. Does not own: what the services do.
 """
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tinsmith import keyadmin, models, tenants
+from tinsmith import keyadmin, models, tenants, watch
 from tinsmith.embedded import SERVICES, System, default_data_dir
 from tinsmith.failures import TinsmithError
 
@@ -58,7 +59,24 @@ def main(argv: list[str] | None = None) -> int:
     listing = commands.add_parser("models", help="list the advertised models")
     listing.add_argument("--build", metavar="NAME", help="build or convert NAME into the cache")
 
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument("--url", help=f"default: TINKER_BASE_URL, else {watch.DEFAULT_URL}")
+    server.add_argument("--key", help="an API key; default: TINKER_API_KEY")
+    runs = commands.add_parser(
+        "runs", parents=[server], help="list your runs: steps, last loss, status, loss curve"
+    )
+    runs.add_argument("--tag", default="", help="only the runs of sessions with this tag")
+    runs.add_argument("--sweep", default="", help="only the runs of this sweep")
+    runs.add_argument("--limit", type=int, default=50)
+    run = commands.add_parser(
+        "run", parents=[server], help="one run: its metrics by step and its latest requests"
+    )
+    run.add_argument("run_id")
+    run.add_argument("--requests", type=int, default=20, help="how many requests to show")
+
     args = parser.parse_args(argv)
+    if args.command in ("runs", "run"):
+        return _watch(args)
     if args.command == "up":
         grpc_port = args.grpc_port
         if grpc_port is None:
@@ -83,6 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{spec.name}\t{spec.arch}\tvocab {spec.vocab_size}\tcontext {spec.max_context_length}"
         )
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    try:
+        url, key = watch.connection(args.url, args.key)
+        if args.command == "runs":
+            print(watch.show_runs(url, key, tag=args.tag, sweep=args.sweep, limit=args.limit))
+        else:
+            print(watch.show_run(url, key, args.run_id, requests=args.requests))
+    except watch.Unanswered as error:
+        print(f"tinsmith {args.command}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

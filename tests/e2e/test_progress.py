@@ -6,6 +6,9 @@ each the caller's alone."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -231,3 +234,45 @@ def test_export_session_trace_gives_a_perfetto_trace_of_the_session(
 
 def user_tenant(url: str) -> str:
     return parse_qs(urlparse(url).query)["tenant"][0]
+
+
+def _tinsmith(system: RunningSystem, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TINKER_BASE_URL": system.url, "TINKER_API_KEY": key}
+    return subprocess.run(
+        [sys.executable, "-m", "tinsmith.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_tinsmith_runs_and_run_print_the_same_in_a_terminal(
+    system: RunningSystem, user: User, stranger: User
+) -> None:
+    sweep = f"cli-{uuid.uuid4().hex[:6]}"
+    training = user.service.create_lora_training_client(
+        base_model="tinsmith/tiny", rank=4, user_metadata={"sweep": sweep}
+    ).result()
+    seen = _train(training, 2, 1e-2)
+    listed = _tinsmith(system, user.key, "runs", "--sweep", sweep)
+    assert listed.returncode == 0, listed.stderr
+    header, row, total = listed.stdout.strip().splitlines()
+    assert header.split()[:5] == ["RUN", "BASE", "MODEL", "RANK", "STEPS"]
+    cells = row.split()
+    assert cells[:4] == [training.model_id, "tinsmith/tiny", "4", "2"]
+    assert float(cells[4]) == pytest.approx(seen[-1][0], rel=1e-3)
+    assert total == "1 runs"
+
+    shown = _tinsmith(system, user.key, "run", training.model_id)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == f"run {training.model_id}" and "steps 2" in lines[2]
+    (loss,) = [line.split() for line in lines if line.startswith("loss:sum ")]
+    assert loss[1] == "1" and float(loss[2]) == pytest.approx(seen[-1][0], rel=1e-3)
+    requests = [line.split()[1] for line in lines if line[:2].isdigit()]
+    assert requests == ["optim_step", "forward_backward"] * 2 + ["create_model"]
+
+    refused = _tinsmith(system, stranger.key, "run", training.model_id)
+    assert refused.returncode == 1 and "404" in refused.stderr
+    assert _tinsmith(system, stranger.key, "runs", "--sweep", sweep).stdout.strip() == "no runs"
