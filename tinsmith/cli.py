@@ -12,6 +12,7 @@ import asyncio
 import runpy
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -74,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("run_id")
     run.add_argument("--requests", type=int, default=20, help="how many requests to show")
 
+    top = commands.add_parser(
+        "top", parents=[server], help="the engines' duty cycle, queues and memory (admin keys)"
+    )
+    top.add_argument("--watch", action="store_true", help="redraw every two seconds")
+
     args = parser.parse_args(argv)
-    if args.command in ("runs", "run"):
+    if args.command in ("runs", "run", "top"):
         return _watch(args)
     if args.command == "up":
         grpc_port = args.grpc_port
@@ -107,7 +113,14 @@ def main(argv: list[str] | None = None) -> int:
 def _watch(args: argparse.Namespace) -> int:
     try:
         url, key = watch.connection(args.url, args.key)
-        if args.command == "runs":
+        if args.command == "top":
+            while True:
+                text = watch.show_top(url, key)
+                print(("\x1b[H\x1b[2J" if args.watch else "") + text, flush=True)
+                if not args.watch:
+                    break
+                time.sleep(2.0)
+        elif args.command == "runs":
             print(watch.show_runs(url, key, tag=args.tag, sweep=args.sweep, limit=args.limit))
         else:
             print(watch.show_run(url, key, args.run_id, requests=args.requests))

@@ -74,6 +74,16 @@ class QuotaExceeded(TinsmithError):
     category = Category.USER
 
 
+class Forbidden(TinsmithError):
+    """The caller's key may not do this at all (an operator's view asked with a tenant's key):
+    HTTP 403, gRPC PERMISSION_DENIED. Not retried."""
+
+    kind = "forbidden"
+    http_status = 403
+    grpc_code = "PERMISSION_DENIED"
+    category = Category.USER
+
+
 class Unprocessable(TinsmithError):
     """Well-formed, but cannot be applied to the current state (HTTP 422)."""
 
@@ -134,6 +144,7 @@ _KINDS: dict[str, type[TinsmithError]] = {
         Unauthenticated,
         NotFound,
         QuotaExceeded,
+        Forbidden,
         Unprocessable,
         Unavailable,
         Overloaded,

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 # Results (forward_backward outputs, samples) are kept this long for the SDK to fetch.
 DEFAULT_RESULTS_MAX_AGE_S = 24 * 3600.0
 SHUTDOWN_TIMEOUT_S = 15.0
+# How often a service publishes its status report (the operators' engines view).
+STATUS_INTERVAL_S = 2.0
 END_TASKS_TIMEOUT_S = 1.0
 
 
@@ -234,7 +236,21 @@ async def _start(
         return json.dumps(health.facts()).encode()
 
     await bus.serve(subjects.ping_subject(name), pong)
+    bus.spawn(_report_status(name, bus))
     return cleanup
+
+
+async def _report_status(name: str, bus: Bus) -> None:
+    """Publish ``telemetry.status`` every ``STATUS_INTERVAL_S`` on the service's status subject
+    (core NATS: the gateways keep the last minutes of them for the engines view)."""
+    while True:
+        report = {"service": name, "replica": bus.replica, "time": time.time()}
+        report.update(telemetry.status())
+        try:
+            await bus.notify(subjects.status_subject(name), json.dumps(report).encode())
+        except NatsError as exc:  # the bus is away: this report is a gap in the chart
+            log.debug("status report not sent: %r", exc)
+        await asyncio.sleep(STATUS_INTERVAL_S)
 
 
 async def _close(name: str, cleanup: Callable[[], Awaitable[None]] | None, bus: Bus) -> None:

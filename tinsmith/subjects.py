@@ -136,6 +136,14 @@ def catalog_subject(op: str) -> str:
     return f"tinsmith.rpc.catalog.{op}"
 
 
+STATUS = "tinsmith.status"
+
+
+def status_subject(service: str) -> str:
+    """Where a service's replicas publish their status reports (core NATS); ``*`` for all."""
+    return f"{STATUS}.{service}"
+
+
 def ping_subject(service: str) -> str:
     """Each service answers on this subject once it is ready; the launcher waits for all four."""
     return f"tinsmith.ping.{check_id('service', service)}"

@@ -250,10 +250,15 @@ def prometheus_text() -> tuple[bytes, str]:
 Reading = Callable[[], float | Mapping[tuple[tuple[str, str], ...], float]]
 
 
+# Every gauge a service observes, by name: what its status reports carry (``status``).
+_READINGS: dict[str, Reading] = {}
+
+
 def observe(name: str, reading: Reading, *, unit: str = "", description: str = "") -> None:
     """Report ``reading()`` as a gauge at each collection: one number, or numbers keyed by
     attribute pairs (``{(("base_model", "x"),): 3.0}``). It runs on the collecting thread, so it
     must only read plain Python state."""
+    _READINGS[name] = reading
 
     def callback(_: CallbackOptions) -> list[Observation]:
         try:
@@ -266,6 +271,26 @@ def observe(name: str, reading: Reading, *, unit: str = "", description: str = "
         return [Observation(value)]
 
     meter.create_observable_gauge(name, [callback], unit=unit, description=description)
+
+
+def status() -> dict[str, Any]:
+    """What a service tells the operators' view every few seconds (tinsmith/runtime.py): its
+    compute thread's busy seconds so far, and each gauge it observes (keyed ``name`` for one
+    number, ``name`` then ``attr=value,...`` for numbers by attributes)."""
+    gauges: dict[str, Any] = {}
+    for name, reading in list(_READINGS.items()):
+        try:
+            value = reading()
+        except Exception:
+            continue  # logged where the gauge is collected
+        if isinstance(value, Mapping):
+            gauges[name] = {
+                ",".join(f"{k}={v}" for k, v in attrs): float(number)
+                for attrs, number in value.items()
+            }
+        else:
+            gauges[name] = float(value)
+    return {"busy_s": BUSY.seconds(), "gauges": gauges}
 
 
 def observe_models(loaded: Callable[[], Mapping[str, int]]) -> None:

@@ -146,6 +146,67 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}s"
 
 
+def top_text(answer: dict[str, Any]) -> str:
+    """The engines: each replica's busy share (the last report's interval, and the last
+    minute's mean), queue, what it holds and its memory; then each tenant's usage."""
+    rows = []
+    for engine in answer["engines"]:
+        busy = [share for _, share in engine["busy"]]
+        gauges = engine["gauges"]
+        rows.append(
+            [
+                engine["service"],
+                engine["replica"],
+                _percent(busy[-1] if busy else None),
+                _percent(sum(busy[-30:]) / len(busy[-30:]) if busy else None),
+                _total(gauges.get("tinsmith.queue.depth")),
+                _total(gauges.get("tinsmith.base_models.loaded")),
+                _total(gauges.get("tinsmith.adapters.loaded")),
+                _mib(gauges.get("process.memory.usage")),
+                sparkline(busy, width=30),
+            ]
+        )
+    header = ["SERVICE", "REPLICA", "BUSY", "BUSY 1M", "QUEUE", "MODELS", "ADAPTERS", "MEMORY", ""]
+    lines = [_table(header, rows) if rows else "no engine has reported yet"]
+    tenants = answer["tenants"]
+    if tenants:
+        rows = [
+            [
+                name,
+                str(usage["sessions"]),
+                str(usage["runs"]),
+                str(usage["inflight"]),
+                str(usage["queued_samples"]),
+                _mib(usage["checkpoint_bytes"]),
+            ]
+            for name, usage in tenants.items()
+        ]
+        header = ["TENANT", "SESSIONS", "RUNS", "IN FLIGHT", "QUEUED SAMPLES", "CHECKPOINTS"]
+        lines += ["", _table(header, rows)]
+    return "\n".join(lines)
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{share * 100:.0f}%"
+
+
+def _total(gauge: float | dict[str, float] | None) -> str:
+    if gauge is None:
+        return "-"
+    value = sum(gauge.values()) if isinstance(gauge, dict) else gauge
+    return f"{value:g}"
+
+
+def _mib(value: float | dict[str, float] | None) -> str:
+    if value is None or isinstance(value, dict):
+        return "-"
+    return f"{value / 2**20:.0f} MiB"
+
+
+def show_top(url: str, key: str) -> str:
+    return top_text(fetch(url, key, "/engines"))
+
+
 def show_runs(url: str, key: str, *, tag: str = "", sweep: str = "", limit: int = 50) -> str:
     return runs_text(fetch(url, key, "/console/runs", tag=tag, sweep=sweep, limit=limit))
 

@@ -33,6 +33,7 @@ from tinsmith.tenants import Tenant
 
 from . import operations as ops
 from .config import GatewayConfig
+from .engines import Engines
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Gateway:
         # calls waiting for each such request's tokens.
         self.stream_id = uuid.uuid4().hex
         self._watchers: dict[str, list[asyncio.Queue[bus.SampleProgress]]] = {}
+        self.engines = Engines(eventlog.bus)
 
     @property
     def state(self) -> jobs.Projection:
@@ -57,6 +59,7 @@ class Gateway:
 
     async def start(self) -> None:
         await self.projection.start()
+        await self.engines.start()
         await self.log.bus.listen(subjects.sample_stream_subject(self.stream_id), self._progress)
         telemetry.observe(
             "tinsmith.queue.depth",

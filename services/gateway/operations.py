@@ -32,6 +32,7 @@ from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import (
+    Forbidden,
     InternalError,
     InvalidRequest,
     NotFound,
@@ -635,6 +636,26 @@ def readable_checkpoint(call: Call, path: str) -> bus.WeightsSaved:
     ):
         raise NotFound(f"no checkpoint at {tinker_path}")
     return held
+
+
+def tenants_usage(call: Call) -> dict[str, dict[str, int]]:
+    """What each tenant holds now (sessions, runs, requests in flight, queued samples, bytes
+    of checkpoints): the operators' view, for admin keys alone."""
+    if not call.tenant.admin:
+        raise Forbidden(
+            "the engines view is the operators': it needs an admin key (`tinsmith keys create "
+            "--tenant NAME --admin`)"
+        )
+    return {
+        tenant: {
+            "sessions": len(usage.session_ids),
+            "runs": len(usage.run_ids),
+            "inflight": usage.inflight,
+            "queued_samples": usage.queued_samples,
+            "checkpoint_bytes": usage.checkpoint_bytes,
+        }
+        for tenant, usage in sorted(call.state.tenants.items())
+    }
 
 
 def downloadable(call: Call, blob_key: str) -> str:

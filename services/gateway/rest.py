@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from tinsmith.failures import InvalidRequest, NotFound, TooLarge, from_kind
 from tinsmith.limits import INT32_MAX, INT64_MAX
 from tinsmith.tenants import Tenant
 
+from . import operations as ops
 from . import wire
 from .config import GatewayConfig
 from .handlers import Gateway
@@ -79,6 +81,7 @@ class Rest:
         get(API + "/console/runs", self.console_runs)
         get(API + "/sweeps/{sweep}", self.sweep)
         get(API + "/sessions/{session}/trace_export", self.trace_export)
+        get(API + "/engines", self.engines)
         get(API + "/blobs/{path:.+}", self.download)
 
     async def ask(self, op: str, tenant: Tenant, **fields: Any) -> bytes:
@@ -268,6 +271,13 @@ class Rest:
             session_id=subjects.check_id("session id", request.match_info["session"]),
             base_url=download_base(self.config, request.host),
         )
+
+    async def engines(self, request: web.Request) -> web.Response:
+        """The operators' view (admin keys): each engine replica's duty cycle and gauges, and
+        each tenant's usage."""
+        tenants = await self.gateway.decide(tenant_of(request), ops.tenants_usage)
+        engines = self.gateway.engines.view(time.time())
+        return web.json_response({"engines": engines, "tenants": tenants})
 
     # -- downloads -----------------------------------------------------------------------------
 
