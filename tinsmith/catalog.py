@@ -597,21 +597,20 @@ async def _fold_metric(
             ),
         )
         return
-    reduction = name.rpartition(":")[2] if weight is not None else ""
+    datums = weight or 0
+    reduction = name.rpartition(":")[2] if datums else ""  # a client's report replaces
     old = row.value
-    if reduction in ("sum", "mean", "min", "max") and (old is None or new is None):
-        row.value = None  # a step with a non-finite part is not finite
-    elif reduction == "sum" and old is not None and new is not None:
-        row.value = old + new
-    elif reduction == "mean" and old is not None and new is not None and weight:
-        row.value = (old * row.weight + new * weight) / (row.weight + weight)
-    elif reduction == "min" and old is not None and new is not None:
-        row.value = min(old, new)
-    elif reduction == "max" and old is not None and new is not None:
-        row.value = max(old, new)
-    else:
+    if reduction not in ("sum", "mean", "min", "max"):
         row.value = new
-    row.weight += weight or 0
+    elif old is None or new is None:
+        row.value = None  # a step with a non-finite part is not finite
+    elif reduction == "sum":
+        row.value = old + new
+    elif reduction == "mean":
+        row.value = (old * row.weight + new * datums) / (row.weight + datums)
+    else:
+        row.value = min(old, new) if reduction == "min" else max(old, new)
+    row.weight += datums
 
 
 async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:

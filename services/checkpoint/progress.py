@@ -239,7 +239,7 @@ def chrome_trace(session_id: str, requests: Sequence[catalog.RequestRow]) -> Jso
             "status": row.status,
             "step": row.step,
             **({"error": f"{row.error_kind}: {row.error_detail}"} if row.error_kind else {}),
-            **{name: value for name, value in row.metrics.items()},
+            **row.metrics,
         }
         out.append(_slice(row.op, "request", us(row.accepted_at), us(end), pid, lane + 1, args))
         for name, start, stop in _phases(row):

@@ -46,7 +46,7 @@ class Engines:
         try:
             report = json.loads(data)
             service, replica = str(report["service"]), str(report["replica"])
-            float(report["time"]), float(report["busy_s"])
+            float(report["time"]), float(report["busy_s"])  # numbers, or it is no report
         except (ValueError, KeyError, TypeError):
             log.warning("a status report that is not one: %r", data[:200])
             return
