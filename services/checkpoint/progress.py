@@ -56,14 +56,16 @@ class Progress:
 
     async def run_metrics(self, query: bus.CatalogQuery) -> JsonDict:
         """Every metric of a run by step: ``{"metrics": {name: [[step, value], ...]}}``, value
-        null where it was not a finite number."""
+        null where it was not a finite number, and the run as the console lists it."""
         await self.projection.catch_up()
         async with self.projection.session() as session:
             run = await access.find_own_run(session, query, query.training_run_id)
             found = await catalog.series(session, [run.model_id])
+            finished = await _finished_sessions(session, {run.session_id})
         return {
             "training_run_id": run.model_id,
             "steps": run.steps,
+            "run": _summary(run, finished),
             "metrics": {
                 name: [list(point) for point in points]
                 for name, points in found[run.model_id].items()

@@ -29,10 +29,11 @@ from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 from tinsmith.tenants import Tenant
 
+from . import console, tokenizers, wire
 from . import operations as ops
-from . import tokenizers, wire
 from .handlers import Gateway
 from .rest import BodyTooLarge, Rest, read_body, read_json, tenant_of
+from .text import TextSampler
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +93,13 @@ async def authenticated(request: web.Request, handler: Handler) -> web.StreamRes
     """Every API call names its tenant with its key (``request["tenant"]``), or is refused
     with 401, before its body is read. The exceptions carry no tenant's data: the health check,
     the signed downloads (bound to a tenant by their signature, and expiring), and the built-in
-    models' tokenizers under ``/hf`` (Hugging Face clients send no tinsmith key)."""
+    models' tokenizers under ``/hf`` (Hugging Face clients send no tinsmith key), and the
+    console's files (the console sends the key with each API call it makes)."""
     route = request.match_info.route.resource
     keyless = route is not None and (
-        route.canonical in _KEYLESS or route.canonical.startswith(tokenizers.PREFIX + "/")
+        route.canonical in _KEYLESS
+        or route.canonical.startswith(tokenizers.PREFIX + "/")
+        or console.keyless(route.canonical)
     )
     if not keyless:
         gateway: Gateway = request.app[GATEWAY]
@@ -200,6 +204,8 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
         ),
     )
     post("/asample", asample)
+    # The same sampling with text in and out, for clients without a tokenizer (the console).
+    post("/sample_text", TextSampler(gateway).sample)
 
     async def finish(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -255,6 +261,7 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     # Training runs, checkpoints, sessions, downloads: the REST catalog.
     (rest or Rest(gateway, None)).add_routes(app)
     tokenizers.add_routes(app)
+    console.add_routes(app)
     return app
 
 

@@ -222,7 +222,7 @@ def token_ids(ids: list[int], what: str) -> list[int]:
 
 
 def sampling_params(value: Any) -> tp.SamplingParams:
-    value = value or {}
+    value = {} if value is None else value
     if not isinstance(value, dict):
         raise InvalidRequest("field 'sampling_params' must be an object")
     params = tp.SamplingParams(
