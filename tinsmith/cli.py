@@ -237,6 +237,7 @@ def _up(host: str, port: int, grpc_port: int, data_dir: Path, *, standby: bool =
             device = system.facts.get(name, {}).get("device")
             if device:
                 print(f"tinsmith {name} computes on {device}", flush=True)
+        print(f"tinsmith console at {system.url}/console/", flush=True)
         print(f"tinsmith ready at {system.url}", flush=True)
         # From here a child that dies is started again (one line on stderr each time), until
         # Ctrl-C, SIGTERM or SIGHUP. The children run in sessions of their own, so a terminal's

@@ -264,6 +264,13 @@ def test_the_run_page_follows_the_run_live_and_acts_on_its_checkpoints(
     }
     assert requests[0]["request_id"] in slices
 
+    # Delete, once the browser's confirmation is accepted: the checkpoint is gone from the API.
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.locator("button:text('Delete')").click()
+    expect(row).to_have_count(0, timeout=SHOWN_S * 1000)
+    listed = world.api(f"/training_runs/{quote(run)}/checkpoints")["checkpoints"]
+    assert world.sampler_path not in {c["tinker_path"] for c in listed}
+
 
 def test_the_sweep_page_compares_the_runs_and_filters_the_improvements(
     page: Page, world: World, screenshots: Path
