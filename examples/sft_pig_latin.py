@@ -373,7 +373,7 @@ def train(
     return losses[0], sum(tail) / len(tail)
 
 
-class _HideLongPollRetries(logging.Filter):
+class HideLongPollRetries(logging.Filter):
     """The SDK warns each time a result is not ready within one long poll (``try_again``): that
     only means the server is still working, and the warnings would break up the progress bar."""
 
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    logging.getLogger("tinker.lib.api_future_impl").addFilter(_HideLongPollRetries())
+    logging.getLogger("tinker.lib.api_future_impl").addFilter(HideLongPollRetries())
     started = time.monotonic()
     with tinker.ServiceClient(base_url=args.base_url) as service:
         training = service.create_lora_training_client(

@@ -1,11 +1,9 @@
 """``python -m examples.autoresearch``: the command line, and the private tinsmith it starts
 when no ``--url`` is given.
 
-Owns: the options, the choice between a given server and a private one, and the private one's
-life: ``tinsmith up`` on a free port with a fresh data directory under ``.tinsmith/`` (as
-``examples/demo.py`` does it), an admin key issued on it for the busy share, and SIGTERM to it
-whatever happened; on failure the tails of its logs are printed and its data directory kept.
-Does not own: the sweep (``sweep``) or its report (``report``).
+Owns: the options, the choice between a given server and a private one
+(``examples/private.py``, as for ``make demo``), and the admin key issued on a private one for
+the busy share. Does not own: the sweep (``sweep``) or its report (``report``).
 """
 
 from __future__ import annotations
@@ -14,10 +12,7 @@ import argparse
 import asyncio
 import logging
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,11 +20,10 @@ from pathlib import Path
 
 from examples.autoresearch import report
 from examples.autoresearch.sweep import LOSS_FNS, Options, grid, run_sweep
-from examples.demo import READY_TIMEOUT_S, REPO
-from examples.sft_pig_latin import DEFAULT_MODEL, _HideLongPollRetries
+from examples.private import with_private_tinsmith
+from examples.sft_pig_latin import DEFAULT_MODEL, HideLongPollRetries
 from tinsmith import keyadmin
 from tinsmith._proto import bus_pb2 as bus
-from tinsmith.child import UpProcess, sigterm_as_interrupt
 
 DEFAULT_KEY = "tml-autoresearch"  # tinsmith's open mode (loopback) takes any tml- key
 
@@ -88,11 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.getLogger("tinker.lib.api_future_impl").addFilter(_HideLongPollRetries())
+    logging.getLogger("tinker.lib.api_future_impl").addFilter(HideLongPollRetries())
     if args.url:
         return run(args, args.url, args.admin_key)
     os.environ.setdefault("TINKER_API_KEY", DEFAULT_KEY)
-    return with_private_tinsmith(args)
+    return privately(args)
 
 
 def run(args: argparse.Namespace, url: str, admin_key: str | None) -> int:
@@ -126,45 +120,15 @@ def run(args: argparse.Namespace, url: str, admin_key: str | None) -> int:
     return 0
 
 
-def with_private_tinsmith(args: argparse.Namespace) -> int:
-    """Start ``tinsmith up``, run the sweep against it, stop it: the sweep's exit status."""
+def privately(args: argparse.Namespace) -> int:
+    """Run the sweep against a private tinsmith, with an admin key issued there for the busy
+    share: the sweep's exit status."""
     # The trainer and the sampler keep their default of half the cores each: unlike the demo's,
     # the sweep's trainer and sampler work at the same time.
-    started = time.monotonic()
-    (REPO / ".tinsmith").mkdir(exist_ok=True)
-    data_dir = Path(tempfile.mkdtemp(prefix="autoresearch-", dir=REPO / ".tinsmith"))
-    status = 1
-    with sigterm_as_interrupt():
-        system: UpProcess | None = None
-        try:
-            print(f"Starting tinsmith (data in {data_dir.relative_to(REPO)}) ...", flush=True)
-            system = UpProcess(data_dir)
-            try:
-                url = system.wait_ready(READY_TIMEOUT_S)
-            except RuntimeError as exc:
-                print(exc, file=sys.stderr)
-                system.print_logs()
-                return 1
-            print(f"tinsmith ready at {url} after {time.monotonic() - started:.0f}s", flush=True)
-            status = run(args, url, args.admin_key or issue_admin_key(data_dir))
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            status = 130
-        except Exception:
-            if system is not None:
-                system.print_logs()
-            raise
-        finally:
-            if system is not None:
-                print("Stopping tinsmith ...", flush=True)
-                stopped = system.stop()
-                if stopped not in (0, -signal.SIGTERM) and status == 0:
-                    print(f"tinsmith exited with {stopped}", file=sys.stderr)
-            if status == 0:
-                shutil.rmtree(data_dir, ignore_errors=True)
-            else:
-                print(f"logs kept in {data_dir / 'logs'}", file=sys.stderr)
-    return status
+    return with_private_tinsmith(
+        "autoresearch",
+        lambda url, data_dir: run(args, url, args.admin_key or issue_admin_key(data_dir)),
+    )
 
 
 def issue_admin_key(data_dir: Path) -> str:
