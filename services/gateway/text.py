@@ -29,8 +29,8 @@ from tinsmith.limits import MAX_NUM_SAMPLES
 from tinsmith.tenants import Tenant
 from tinsmith.tensors import tokens_from_bytes
 
+from . import checks, wire
 from . import operations as ops
-from . import wire
 from .handlers import Gateway
 
 TIMEOUT_S = 300.0
@@ -61,6 +61,16 @@ class TextSampler:
         num_samples = wire.req_int(
             body, "num_samples", minimum=1, maximum=MAX_NUM_SAMPLES, default=1
         )
+        # Everything that can refuse the call does so before it appends anything.
+        if model_path:
+            found = await self.gateway.decide(tenant, ops.readable_checkpoint, model_path)
+            spec = models.get(found.base_model)
+        else:
+            spec = models.get(base_model)
+        tokenizer = await asyncio.to_thread(_tokenizer, spec.name)
+        tokens = tokenizer.encode(prompt, add_special_tokens=False).ids
+        command = bus.Sample(prompt=tokens, params=params, num_samples=num_samples)
+        checks.check_sample(self.gateway.config.limits, spec, command)
         session_id = await self.gateway.perform(
             tenant, ops.create_session, ops.CreateSession(tags=("console",))
         )
@@ -70,10 +80,6 @@ class TextSampler:
                 ops.create_sampler,
                 ops.CreateSampler(session_id, 0, base_model=base_model, model_path=model_path),
             )
-            held = await self.gateway.perform(tenant, ops.get_sampler, ops.SamplerRef(sampler_id))
-            tokenizer = await asyncio.to_thread(_tokenizer, held["base_model"])
-            tokens = tokenizer.encode(prompt, add_special_tokens=False).ids
-            command = bus.Sample(prompt=tokens, params=params, num_samples=num_samples)
             response = await self._result(tenant, ops.Sample(sampler_id, 0, command))
         finally:
             await self.gateway.perform(
@@ -90,8 +96,8 @@ class TextSampler:
                 }
             )
         return {
-            "model_path": held["model_path"],
-            "base_model": held["base_model"],
+            "model_path": model_path or None,
+            "base_model": spec.name,
             "prompt_tokens": len(tokens),
             "sequences": sequences,
         }

@@ -85,15 +85,25 @@ def test_text_samples_are_the_sdk_s_samples_of_the_same_tokens(
 
 
 def test_each_call_s_session_is_finished_when_it_answers(user: User, sampler_path: str) -> None:
-    before = user.http.get("/usage").json()["tenants"][0]["sessions"]
+    def sessions() -> tuple[int, int]:
+        """(open sessions, sessions ever made) of the tenant."""
+        opened = user.http.get("/usage").json()["tenants"][0]["sessions"]
+        listed = user.http.get("/sessions", params={"limit": 1000}).json()["sessions"]
+        return opened, len(listed)
+
+    opened, made = sessions()
     for _ in range(3):
         answer = user.sample_text(prompt="hi", model_path=sampler_path)
         assert answer.status_code == 200, answer.text
+    assert sessions() == (opened, made + 3)
+    # A call refused for what it asks makes no session at all.
     refused = user.sample_text(
         prompt="hi", model_path=sampler_path, sampling_params={"max_tokens": 10**6}
     )
     assert refused.status_code == 400
-    assert user.http.get("/usage").json()["tenants"][0]["sessions"] == before
+    assert "exceeds the context length" in refused.json()["detail"]
+    assert user.sample_text(prompt="hi", model_path=sampler_path + "x").status_code == 404
+    assert sessions() == (opened, made + 3)
 
 
 @pytest.mark.parametrize(
