@@ -157,9 +157,17 @@ class History:
         )
         yield self._event(request_accepted=accepted)
 
-    def _done(self, aggregate: str, seq_id: int, media: str = "application/json") -> bus.Event:
+    def _done(
+        self,
+        aggregate: str,
+        seq_id: int,
+        media: str = "application/json",
+        metrics: dict[str, float] | None = None,
+    ) -> bus.Event:
+        """A completion, with the metrics its worker records (the catalog folds them per step)."""
         self.results += 1
         completed = bus.RequestCompleted(
+            metrics=metrics or {},
             request_id=events.request_id(aggregate, seq_id),
             aggregate_id=aggregate,
             result_seq=self.results,
@@ -177,7 +185,9 @@ class History:
         datums = [_datum(rng) for _ in range(4)]
         fb = tp.ForwardBackwardRequest(model_id=run, seq_id=job.seq_id, data=datums, loss_fn="ppo")
         yield from self._request(run, job.seq_id, forward_backward=fb)
-        yield self._done(run, job.seq_id, "application/x-protobuf")
+        loss = {"loss:sum": rng.uniform(1, 100), "ppo/clip_fraction:mean": rng.random()}
+        counts = {"tokens:sum": 4.0 * 64, "datums:sum": 4.0}
+        yield self._done(run, job.seq_id, "application/x-protobuf", {**loss, **counts})
         if rng.random() < 0.01:  # a request refused after its seq_id was spent
             job.seq_id += 1
             rejected = bus.RequestRejected(
@@ -187,7 +197,8 @@ class History:
         job.seq_id += 1
         adam = bus.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)
         yield from self._request(run, job.seq_id, optim_step=bus.OptimStep(adam=adam))
-        yield self._done(run, job.seq_id)
+        optim = {"grad_norm:mean": rng.uniform(0.1, 10), "learning_rate:mean": 1e-4}
+        yield self._done(run, job.seq_id, metrics=optim)
         if job.step % 25 == 0:
             yield from self._checkpoint(job)
         job.seq_id += 1
@@ -224,7 +235,9 @@ class History:
                 )
                 yield self._event(request_cancelled=cancelled)
             else:
-                yield self._done(sampler_id, n, "application/x-protobuf")
+                drawn = {"sample/prompt_tokens:sum": 48.0, "sample/sampled_tokens:sum": 256.0}
+                drawn["sample/sequences:sum"] = 4.0
+                yield self._done(sampler_id, n, "application/x-protobuf", drawn)
         if job.step % 100 == 0:  # the session fell silent for a while: unloaded, then back
             snapshot = artifacts.snapshot_key(run, job.seq_id + 1)
             create = bus.CreateModel(session_id=job.session_id, base_model=BASE)

@@ -279,6 +279,8 @@ async def position(session: AsyncSession, *, for_update: bool = False) -> Positi
 # few queries. Before, every event read its rows one SELECT at a time, each after a flush of what
 # the events before it added: 23 s to fold 43,000 events into SQLite.
 _ROWS = "tinsmith.rows"
+# Per run: the step from which every metric row of the run was read by ``prefetch``.
+_METRIC_FLOORS = "tinsmith.metric_floors"
 _PREFETCH_CHUNK = 500  # keys per IN (...) query: well under SQLite's bound on parameters
 
 
@@ -365,6 +367,39 @@ async def prefetch(session: AsyncSession, batch: Sequence[bus.Event]) -> None:
                 rows[(table, _key_of(row))] = row
             for key in chunk:
                 rows.setdefault((table, key), None)
+    await _prefetch_metrics(session, wanted)
+
+
+async def _prefetch_metrics(session: AsyncSession, wanted: dict[type[Base], set[str]]) -> None:
+    """Read the metric rows the batch may fold into: each run's (those the batch names, and
+    those of the stored requests it settles) from the step the run has reached on, as a run's
+    steps only grow. A metric key at or past that step and not read does not exist then
+    (``_metric``), so a replay adds each step's metrics without asking for them first."""
+    rows = _rows(session)
+    run_ids = set(wanted.get(RunRow, ()))
+    for key in wanted.get(RequestRow, ()):
+        request = rows.get((RequestRow, key))
+        if isinstance(request, RequestRow) and request.model_id:
+            run_ids.add(request.model_id)
+    floors: dict[str, int] = session.info.setdefault(_METRIC_FLOORS, {})
+    for model_id in sorted(run_ids - set(floors)):
+        run = await _get(session, RunRow, model_id)
+        floors[model_id] = run.steps if run is not None else 0
+    todo = sorted(run_ids)
+    for start in range(0, len(todo), _PREFETCH_CHUNK):
+        chunk = todo[start : start + _PREFETCH_CHUNK]
+        reached = [and_(MetricRow.model_id == r, MetricRow.step >= floors[r]) for r in chunk]
+        for row in await session.scalars(select(MetricRow).where(or_(*reached))):
+            rows.setdefault((MetricRow, row.key), row)
+
+
+async def _metric(session: AsyncSession, model_id: str, step: int, key: str) -> MetricRow | None:
+    """A run's metric row at ``step``, known missing without a query where ``prefetch`` read
+    every row of the run from an earlier step on."""
+    floor = session.info.get(_METRIC_FLOORS, {}).get(model_id)
+    if floor is not None and step >= floor:
+        _rows(session).setdefault((MetricRow, key), None)
+    return await _get(session, MetricRow, key)
 
 
 async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
@@ -587,7 +622,7 @@ async def _fold_metric(
     client's report, ``weight`` None)."""
     name = name[:200]
     key = _metric_key(model_id, step, name)
-    row = await _get(session, MetricRow, key)
+    row = await _metric(session, model_id, step, key)
     new = _finite(value)
     if row is None:
         _add(
