@@ -84,6 +84,8 @@ class History:
     def __init__(self, requests: int, seed: int = 0, start: float = 1.7e9) -> None:
         self.budget = requests
         self.random = random.Random(seed)
+        # The metrics' values, drawn apart: the history's own draws stay what they were.
+        self.values = random.Random(seed + 1)
         self.time = start
         self.results = 0
         self.requests = 0
@@ -185,7 +187,8 @@ class History:
         datums = [_datum(rng) for _ in range(4)]
         fb = tp.ForwardBackwardRequest(model_id=run, seq_id=job.seq_id, data=datums, loss_fn="ppo")
         yield from self._request(run, job.seq_id, forward_backward=fb)
-        loss = {"loss:sum": rng.uniform(1, 100), "ppo/clip_fraction:mean": rng.random()}
+        value = self.values
+        loss = {"loss:sum": value.uniform(1, 100), "ppo/clip_fraction:mean": value.random()}
         counts = {"tokens:sum": 4.0 * 64, "datums:sum": 4.0}
         yield self._done(run, job.seq_id, "application/x-protobuf", {**loss, **counts})
         if rng.random() < 0.01:  # a request refused after its seq_id was spent
@@ -197,7 +200,7 @@ class History:
         job.seq_id += 1
         adam = bus.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8)
         yield from self._request(run, job.seq_id, optim_step=bus.OptimStep(adam=adam))
-        optim = {"grad_norm:mean": rng.uniform(0.1, 10), "learning_rate:mean": 1e-4}
+        optim = {"grad_norm:mean": value.uniform(0.1, 10), "learning_rate:mean": 1e-4}
         yield self._done(run, job.seq_id, metrics=optim)
         if job.step % 25 == 0:
             yield from self._checkpoint(job)
