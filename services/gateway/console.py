@@ -56,11 +56,10 @@ def _serve(name: str) -> web.StreamResponse:
     # Only the files shipped beside this module: a name is one path segment, never "..".
     if name.startswith(".") or path.suffix not in _TYPES or not path.is_file():
         raise web.HTTPNotFound(text=f"the console has no file {name[:100]!r}")
-    return web.Response(
-        body=path.read_bytes(),
-        content_type=_TYPES[path.suffix],
-        charset="utf-8",
+    return web.FileResponse(
+        path,
         headers={
+            "Content-Type": f"{_TYPES[path.suffix]}; charset=utf-8",
             "Content-Security-Policy": _POLICY,
             "Cache-Control": "no-cache",
             "X-Content-Type-Options": "nosniff",

@@ -132,6 +132,13 @@ async def test_a_runs_metrics_by_step_fold_as_the_sdk_combines_them(
         await catalog.drop(service.projection.engine)
     finally:
         await service.stop()
+    await _assert_rebuilt(before, nats_url, catalog_url, blobs)
+
+
+async def _assert_rebuilt(
+    before: dict[str, list[dict[str, Any]]], nats_url: str, catalog_url: str, blobs: BlobStore
+) -> None:
+    """A checkpoint service started on the dropped catalog replays the log into ``before``."""
     rebuilt = await start_service(nats_url, catalog_url, blobs)
     try:
         assert await rebuilt.dump() == before
@@ -182,8 +189,4 @@ async def test_metrics_folded_event_by_event_equal_those_of_one_replay(
         await catalog.drop(service.projection.engine)
     finally:
         await service.stop()
-    rebuilt = await start_service(nats_url, catalog_url, blobs)
-    try:
-        assert await rebuilt.dump() == before
-    finally:
-        await rebuilt.stop()
+    await _assert_rebuilt(before, nats_url, catalog_url, blobs)

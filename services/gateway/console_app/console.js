@@ -396,8 +396,7 @@ function runPage(runId) {
     } }, "Export the session trace"));
   main.append(header, charts, checkpoints, playground.element, timeline);
 
-  let refresh = () => {};
-  refresh = live(async () => {
+  const refresh = live(async () => {
     const [metrics, requests, saved] = await Promise.all([
       api(`/training_runs/${enc(runId)}/metrics`),
       api(`/training_runs/${enc(runId)}/requests?limit=60`),
