@@ -13,10 +13,11 @@ itself, saying both sizes. Split a large forward_backward batch into several cal
 does.
 
 Sampling streams and cancels. SampleStream watches the request's tokens on this replica before
-accepting it with ``stream`` set, relays each step's new tokens, and builds its last message
-from the stored result, so what a client concatenates is exactly what Sample answers. A Sample or
-SampleStream call that ends before its result (deadline, or the client cancelled) cancels its
-request (``Gateway.cancel_sample``). Training calls only stop waiting: their requests stay queued.
+accepting it with ``stream`` set, relays each step's new tokens (streams.py), and builds its last
+message from the stored result, so what a client concatenates is exactly what Sample answers. A
+Sample or SampleStream call that ends before its result (deadline, or the client cancelled)
+cancels its request (``Gateway.cancel_sample``). Training calls only stop waiting: their
+requests stay queued.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,12 +39,12 @@ from tinsmith import events, subjects, telemetry
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
-from tinsmith.failures import InternalError, TinsmithError, TooLarge, Unauthenticated
+from tinsmith.failures import TinsmithError, TooLarge, Unauthenticated
 from tinsmith.limits import TTL_MAX_S
 from tinsmith.tenants import Tenant
 
 from . import operations as ops
-from . import wire
+from . import streams, wire
 from .config import GatewayConfig
 from .handlers import Gateway, JsonDict
 from .rest import Rest
@@ -248,29 +248,17 @@ class GrpcFace:
 
     async def SampleStream(self, request: svc.SampleRequest, context: Any, tenant: Tenant) -> None:
         request_id = events.request_id(request.sampling_session_id, request.seq_id)
-        relay = _Relay()
+        messages = 0
         with self.gateway.watch(request_id) as progress:  # before the sampler can send any
             await self._accept_sample(request, context, tenant, stream=True)
             async with self._cancelling(tenant, request_id, context):
-                settled = asyncio.ensure_future(
-                    self.gateway.result(tenant, request_id, context.time_remaining())
+                chunks = streams.relayed(
+                    self.gateway, tenant, request_id, progress, context.time_remaining()
                 )
-                arrival: asyncio.Future[bus.SampleProgress] | None = None
-                try:
-                    while not settled.done():
-                        arrival = asyncio.ensure_future(progress.get())
-                        await asyncio.wait({arrival, settled}, return_when=asyncio.FIRST_COMPLETED)
-                        if arrival.done():
-                            chunk = relay.forward(arrival.result())
-                            if chunk is not None:
-                                await context.write(chunk)
-                    body, _ = settled.result()
-                finally:
-                    settled.cancel()
-                    if arrival is not None:
-                        arrival.cancel()  # what it would have got is in the stored result
-        await context.write(relay.last(tp.SampleResponse.FromString(body)))
-        telemetry.annotate({"tinsmith.stream.messages": relay.messages})
+                async for chunk in chunks:
+                    await context.write(chunk)
+                    messages += 1
+        telemetry.annotate({"tinsmith.stream.messages": messages})
 
     async def _accept_sample(
         self, request: svc.SampleRequest, context: Any, tenant: Tenant, stream: bool
@@ -372,69 +360,6 @@ class GrpcFace:
         result = json.loads(await self._bytes(tenant, future, context))
         assert isinstance(result, dict)
         return result
-
-
-class _Relay:
-    """What one SampleStream call has sent of each sequence, so that it forwards each token once
-    and in order, and ends with exactly what the stored result holds."""
-
-    def __init__(self) -> None:
-        self.sent: dict[int, list[int]] = {}
-        self.diverged = False  # a rerun of the request drew other tokens than those sent
-        self.messages = 0
-
-    def forward(self, progress: bus.SampleProgress) -> svc.SampleChunk | None:
-        """The part of the sampler's news not sent yet: a delta that starts past what was sent
-        (one before it was lost) is left for the last message; one that overlaps what was sent
-        (the request ran again after a replica died) is checked against it."""
-        chunk = svc.SampleChunk()
-        for delta in progress.deltas:
-            sent = self.sent.setdefault(delta.index, [])
-            tokens = np.frombuffer(delta.tokens, "<i4")
-            known = len(sent) - delta.offset
-            if known < 0 or self.diverged:
-                continue
-            if tokens[:known].tolist() != sent[delta.offset :]:
-                self.diverged = True
-                continue
-            if known >= len(tokens):
-                continue
-            chunk.deltas.add(
-                index=delta.index,
-                offset=len(sent),
-                tokens=tokens[known:].tobytes(),
-                logprobs=np.frombuffer(delta.logprobs, "<f4")[known:].tobytes(),
-            )
-            sent.extend(tokens[known:].tolist())
-        if not chunk.deltas:
-            return None
-        self.messages += 1
-        return chunk
-
-    def last(self, response: tp.SampleResponse) -> svc.SampleChunk:
-        """The last message: each sequence's tokens not sent yet, and the rest of the answer."""
-        chunk = svc.SampleChunk()
-        for index, sequence in enumerate(response.sequences):
-            tokens = np.frombuffer(sequence.tokens, "<i4")
-            sent = self.sent.get(index, [])
-            if self.diverged or tokens[: len(sent)].tolist() != sent:
-                raise InternalError(
-                    "the request ran again on another sampler replica (one stopped mid-request) "
-                    "and drew other tokens than those streamed; its result is final: call "
-                    "Sample with the same seq_id to get it"
-                )
-            if len(tokens) > len(sent):
-                chunk.deltas.add(
-                    index=index,
-                    offset=len(sent),
-                    tokens=tokens[len(sent) :].tobytes(),
-                    logprobs=np.frombuffer(sequence.logprobs, "<f4")[len(sent) :].tobytes(),
-                )
-            sequence.ClearField("tokens")
-            sequence.ClearField("logprobs")
-        chunk.response.CopyFrom(response)
-        self.messages += 1
-        return chunk
 
 
 def _expired(context: Any) -> bool:

@@ -1,9 +1,11 @@
 """The Tinker HTTP API (what the official SDK speaks), on aiohttp.
 
 Owns: routes, request bodies in and responses out, the HTTP server itself, authentication (every
-call but the health check and the signed downloads carries an API key, which names its tenant:
-``authenticated``), and the conversion of errors to HTTP (400/401/403/404/422 with
-``{"detail": ...}``; never an empty 400, never 5xx for a permanent error). That includes what
+call but the health check and the signed downloads carries an API key, as ``X-API-Key`` or
+``Authorization: Bearer``, which names its tenant: ``authenticated``), and the conversion of
+errors to HTTP (400/401/403/404/422 with ``{"detail": ...}``, and OpenAI's ``{"error": {...}}``
+beside it on the OpenAI-compatible routes; never an empty 400, never 5xx for a permanent error).
+That includes what
 aiohttp answers by itself: a body over the bus's message size is a 413 that says the limit, and
 a request aiohttp cannot parse is answered in JSON too and logged as one line without the bytes
 it carried (they can hold an API key). Each route is a thin translator: its body read into the
@@ -29,11 +31,11 @@ from tinsmith.bus import MAX_BODY_BYTES
 from tinsmith.failures import InternalError, InvalidRequest, TinsmithError, http_body
 from tinsmith.tenants import Tenant
 
-from . import console, tokenizers, wire
+from . import console, openai_api, tokenizers, wire
 from . import operations as ops
 from .handlers import Gateway
 from .rest import BodyTooLarge, Rest, read_body, read_json, tenant_of
-from .text import TextSampler
+from .text import TextSampling
 
 log = logging.getLogger(__name__)
 
@@ -66,26 +68,31 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. a bad content encoding
         reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
         detail = f"{request.method} {request.path}: the body could not be read: {reason}"
-        response = web.json_response({"detail": detail[:500]}, status=400)
+        response = _error(request, 400, {"detail": detail[:500]})
         # Where this body ends is unknown now, so the connection ends with the answer; saying
         # so (Connection: close) keeps a client from sending its next request on it.
         response.force_close()
         return response
     except web.HTTPException as exc:
         if exc.status >= 400:
-            return web.json_response(
-                {"detail": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status
-            )
+            detail = f"{request.method} {request.path}: {exc.reason}"
+            return _error(request, exc.status, {"detail": detail})
         raise
     except TinsmithError as error:
         if error.http_status >= 500:
             log.error("%s %s failed: %s", request.method, request.path, error.detail)
-        return web.json_response(http_body(error), status=error.http_status)
+        return _error(request, error.http_status, http_body(error))
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return web.json_response(
-            http_body(InternalError("internal error; see the gateway log")), status=500
-        )
+        return _error(request, 500, http_body(InternalError("internal error; see the gateway log")))
+
+
+def _error(request: web.Request, status: int, body: dict[str, Any]) -> web.Response:
+    """An error answer: ``{"detail": ...}``, and OpenAI's ``{"error": {...}}`` beside it on
+    the OpenAI-compatible routes, whose clients read that."""
+    if openai_api.serves(request.path):
+        body = openai_api.error_body(status, body)
+    return web.json_response(body, status=status)
 
 
 @web.middleware
@@ -103,8 +110,19 @@ async def authenticated(request: web.Request, handler: Handler) -> web.StreamRes
     )
     if not keyless:
         gateway: Gateway = request.app[GATEWAY]
-        request["tenant"] = await gateway.authenticate(request.headers.get("X-API-Key"))
+        request["tenant"] = await gateway.authenticate(api_key(request))
     return await handler(request)
+
+
+def api_key(request: web.Request) -> str | None:
+    """The key a call carries: ``X-API-Key`` (the SDK's), else ``Authorization: Bearer``
+    (what OpenAI's clients send)."""
+    key = request.headers.get("X-API-Key")
+    if key is None:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            key = token.strip()
+    return key
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
@@ -205,7 +223,8 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     )
     post("/asample", asample)
     # The same sampling with text in and out, for clients without a tokenizer (the console).
-    post("/sample_text", TextSampler(gateway).sample)
+    sampling = TextSampling(gateway)
+    post("/sample_text", sampling.sample_text)
 
     async def finish(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
@@ -259,7 +278,10 @@ def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:
     app.router.add_get(API + "/usage", usage)
     app.router.add_get(API + "/healthz", healthz)
     # Training runs, checkpoints, sessions, downloads: the REST catalog.
-    (rest or Rest(gateway, None)).add_routes(app)
+    rest = rest or Rest(gateway, None)
+    rest.add_routes(app)
+    # The same sampling for OpenAI's clients: /v1/completions, /v1/chat/completions, /v1/models.
+    openai_api.add_routes(app, sampling, rest)
     tokenizers.add_routes(app)
     console.add_routes(app)
     return app

@@ -1,13 +1,13 @@
-"""SampleStream's relay: each token reaches the client once and in order, a lost message is
-filled in by the last one from the stored result, and a rerun that drew other tokens is an
-error rather than a wrong answer."""
+"""The streaming relay (gRPC SampleStream, the OpenAI routes' events): each token reaches the
+client once and in order, a lost message is filled in by the last one from the stored result,
+and a rerun that drew other tokens is an error rather than a wrong answer."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.gateway.grpc_face import _Relay
+from services.gateway.streams import Relay
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -48,7 +48,7 @@ def _received(chunks: list[svc.SampleChunk | None]) -> tuple[list[int], list[flo
 
 
 def test_a_lost_message_is_filled_in_by_the_last_one() -> None:
-    relay = _Relay()
+    relay = Relay()
     first = relay.forward(_progress(0, 2))
     assert relay.forward(_progress(3, 4)) is None  # 2 was lost: nothing out of order
     last = relay.last(_stored())
@@ -58,14 +58,14 @@ def test_a_lost_message_is_filled_in_by_the_last_one() -> None:
 
 
 def test_a_rerun_from_the_start_repeats_nothing() -> None:
-    relay = _Relay()
+    relay = Relay()
     chunks = [relay.forward(_progress(0, 3)), relay.forward(_progress(0, 4))]
     chunks.append(relay.last(_stored()))
     assert _received(chunks) == (TOKENS, LOGPROBS)
 
 
 def test_a_rerun_that_drew_other_tokens_is_an_error() -> None:
-    relay = _Relay()
+    relay = Relay()
     relay.forward(_progress(0, 3))
     assert relay.forward(_progress(0, 4, tokens=[7, 99, 9, 10, 11])) is None
     with pytest.raises(InternalError, match="drew other tokens"):
