@@ -1,5 +1,6 @@
-"""The catalog: SQL read models of sessions, training runs, checkpoints, samplers and the blobs
-they reference, folded from the event log, plus the log position they reflect.
+"""The catalog: SQL read models of sessions, training runs, checkpoints, samplers, the blobs
+they reference, requests, metrics and the audit log, folded from the event log, plus the log
+position they reflect.
 
 Owns: the tables (SQLAlchemy 2 models), opening a database by URL (``sqlite+aiosqlite://`` or
 ``postgresql+asyncpg://``), folding one event into the tables (``apply``), and the queries the
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 _Row = TypeVar("_Row", bound="Base")
 
 # Bump when the tables change: a catalog of another schema is dropped and rebuilt from the log.
-SCHEMA = 2
+SCHEMA = 3
 # Snapshots of a run kept in the store: the newest, and the one before it.
 SNAPSHOTS_KEPT = 2
 _LOG = "events"
@@ -62,6 +63,7 @@ class Base(DeclarativeBase):
         int: BigInteger,
         float: Float(precision=53),
         dict[str, float | None]: JSON,
+        dict[str, Any]: JSON,
     }
 
 
@@ -207,6 +209,24 @@ class BlobRow(Base):
     seq: Mapped[int]
 
 
+class AuditRow(Base):
+    """One change the audit log shows (``AdminClient.get_audit_log``): a checkpoint created,
+    copied, deleted, published, unpublished or given a TTL, a session moved into a project, an
+    API key issued or revoked. ``subject`` is what it is about (the tinker:// path, the session
+    id, the key id); a checkpoint's rows also carry its bytes, so the storage a tenant held in
+    any hour can be read back (billing usage)."""
+
+    __tablename__ = "audit"
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)  # its log position
+    time: Mapped[float] = mapped_column(index=True)
+    category: Mapped[str] = mapped_column(String(20))  # checkpoints | projects | organizations
+    event: Mapped[str] = mapped_column(String(50))  # <resource>_<action>
+    owner: Mapped[str] = mapped_column(String(64), index=True)  # the tenant it concerns
+    subject: Mapped[str] = mapped_column(String(600), index=True)
+    size_bytes: Mapped[int] = mapped_column(default=0)
+    details: Mapped[dict[str, Any]]
+
+
 TABLES: tuple[type[Base], ...] = (
     Position,
     SessionRow,
@@ -216,6 +236,7 @@ TABLES: tuple[type[Base], ...] = (
     BlobRow,
     RequestRow,
     MetricRow,
+    AuditRow,
 )
 # The tags column's separator: a character no tag a person types holds.
 _TAG_SEP = "\x1f"
@@ -345,6 +366,15 @@ def _keys(event: bus.Event) -> list[tuple[type[Base], str]]:
         return [(SamplerRow, body.sampler_id), (BlobRow, body.adapter_key)]
     if kind == "checkpoint_deleted":
         return [(CheckpointRow, body.tinker_path), (BlobRow, body.blob_key)]
+    if kind == "weights_copied":
+        return [
+            (SessionRow, body.session_id),
+            (RunRow, body.model_id),
+            (CheckpointRow, body.saved.tinker_path),
+            (BlobRow, body.saved.blob_key),
+        ]
+    if kind == "session_project_assigned":
+        return [(SessionRow, body.session_id)]
     if kind in ("checkpoint_published", "checkpoint_ttl_set"):
         return [(CheckpointRow, body.tinker_path)]
     return []
@@ -407,6 +437,7 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
     overwritten under a new key), which the caller may remove from the store."""
     kind = events.kind_of(event)
     body = getattr(event, kind)
+    await _audit(session, seq, event)
     if kind == "session_created":
         if await _get(session, SessionRow, body.session_id) is None:
             _add(
@@ -446,7 +477,11 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
         if run is not None:
             run.ready, run.tokenizer_id = True, body.tokenizer_id
     elif kind == "weights_saved":
-        return await _saved(session, seq, event)
+        return await _saved(session, seq, body, event.time)
+    elif kind == "weights_copied":
+        return await _copied(session, seq, event)
+    elif kind == "session_project_assigned":
+        await _project_assigned(session, body)
     elif kind in ("run_unloaded", "run_snapshotted"):
         await _reference(session, body.snapshot_key, body.model_id, "snapshot", 0, seq)
         return await _superseded_snapshots(session, body.model_id)
@@ -648,8 +683,9 @@ async def _fold_metric(
     row.weight += datums
 
 
-async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
-    saved = event.weights_saved
+async def _saved(
+    session: AsyncSession, seq: int, saved: bus.WeightsSaved, time: float
+) -> list[str]:
     path = artifacts.parse(saved.tinker_path)
     run = await _get(session, RunRow, saved.model_id)
     ttl = saved.ttl_seconds if saved.HasField("ttl_seconds") else None
@@ -672,7 +708,7 @@ async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]
             checkpoint_id=path.checkpoint_id,
             blob_key=saved.blob_key,
             seq=seq,
-            created_at=event.time,
+            created_at=time,
             size_bytes=saved.size_bytes,
             base_model=saved.base_model,
             lora_rank=saved.lora_rank,
@@ -681,13 +717,184 @@ async def _saved(session: AsyncSession, seq: int, event: bus.Event) -> list[str]
             train_unembed=saved.lora.train_unembed if saved.HasField("lora") else True,
             user_metadata=dict(saved.user_metadata),
             ttl_seconds=ttl,
-            expires_at=event.time + ttl if ttl is not None else None,
+            expires_at=time + ttl if ttl is not None else None,
             owner=run.owner if run else "",
             project_id=run.project_id if run else "",
         ),
     )
     await _reference(session, saved.blob_key, saved.model_id, "checkpoint", saved.size_bytes, seq)
     return released
+
+
+async def _copied(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
+    """A copy of weights: its session (new, created finished; or the owner's own), its run
+    (which holds the copy alone: ``loaded_from`` is the source) and its checkpoint. A repeat, or
+    a session of another tenant, changes nothing."""
+    copied = event.weights_copied
+    saved = copied.saved
+    owner = await _get(session, SessionRow, copied.session_id)
+    if await _get(session, RunRow, copied.model_id) is not None or (
+        owner is not None and owner.owner != copied.owner
+    ):
+        return []
+    if owner is None:
+        owner = SessionRow(
+            session_id=copied.session_id,
+            seq=seq,
+            created_at=event.time,
+            owner=copied.owner,
+            project_id=copied.project_id,
+            display_name="",
+            sdk_version="",
+            tags=[],
+            user_metadata={},
+            finished=True,
+            finish_reason="copy_weights",
+        )
+        _add(session, owner)
+    every = not saved.HasField("lora")
+    _add(
+        session,
+        RunRow(
+            model_id=copied.model_id,
+            seq=seq,
+            session_id=copied.session_id,
+            owner=copied.owner,
+            project_id=owner.project_id,
+            base_model=saved.base_model,
+            lora_rank=saved.lora_rank,
+            train_mlp=every or saved.lora.train_mlp,
+            train_attn=every or saved.lora.train_attn,
+            train_unembed=every or saved.lora.train_unembed,
+            user_metadata={},
+            created_at=event.time,
+            last_request_time=event.time,
+            ready=True,
+            loaded_from=copied.source_path,
+            tags="",
+            sweep="",
+            steps=0,
+            pending=0,
+            loss_fn="",
+            epoch=0,
+        ),
+    )
+    return await _saved(session, seq, saved, event.time)
+
+
+async def _project_assigned(session: AsyncSession, assigned: bus.SessionProjectAssigned) -> None:
+    """A session moved into a project: its runs and their checkpoints move with it (each
+    row's ``project_id`` is its session's, as of when it was made until now)."""
+    found = await _get(session, SessionRow, assigned.session_id)
+    if found is None:
+        return
+    found.project_id = assigned.project_id
+    runs = (
+        await session.scalars(select(RunRow).where(RunRow.session_id == assigned.session_id))
+    ).all()
+    for run in runs:
+        run.project_id = assigned.project_id
+    for start in range(0, len(runs), _PREFETCH_CHUNK):
+        chunk = [run.model_id for run in runs[start : start + _PREFETCH_CHUNK]]
+        for row in await session.scalars(
+            select(CheckpointRow).where(CheckpointRow.model_id.in_(chunk))
+        ):
+            row.project_id = assigned.project_id
+
+
+async def _audit(session: AsyncSession, seq: int, event: bus.Event) -> None:
+    """The audit log's row of an event that changes what a tenant holds or may do, read
+    against the tables as they were before the event is folded."""
+    kind = events.kind_of(event)
+    body = getattr(event, kind)
+    found = _audit_entry(kind, body)
+    if found is None:
+        return
+    category, name, subject = found
+    owner, size, details = "", 0, {}
+    if kind == "weights_saved":
+        run = await _get(session, RunRow, body.model_id)
+        owner, size = (run.owner if run else ""), body.size_bytes
+        details = {
+            "model_id": body.model_id,
+            "checkpoint_type": artifacts.CHECKPOINT_TYPES.get(body.kind, ""),
+            "size_bytes": size,
+            "base_model": body.base_model,
+            "session_id": run.session_id if run else "",
+            "ttl_seconds": body.ttl_seconds if body.HasField("ttl_seconds") else None,
+            "overwrote": await _get(session, CheckpointRow, body.tinker_path) is not None,
+        }
+    elif kind == "weights_copied":
+        held = await _get(session, SessionRow, body.session_id)
+        if await _get(session, RunRow, body.model_id) is not None or (
+            held is not None and held.owner != body.owner
+        ):
+            return  # a repeat, or refused by the fold (``_copied``)
+        saved = body.saved
+        owner, size = body.owner, saved.size_bytes
+        details = {
+            "model_id": body.model_id,
+            "source_path": body.source_path,
+            "checkpoint_type": artifacts.CHECKPOINT_TYPES.get(saved.kind, ""),
+            "size_bytes": size,
+            "base_model": saved.base_model,
+            "session_id": body.session_id,
+            "project_id": body.project_id or None,
+            "ttl_seconds": saved.ttl_seconds if saved.HasField("ttl_seconds") else None,
+        }
+    elif kind.startswith("checkpoint_"):
+        row = await _get(session, CheckpointRow, body.tinker_path)
+        if row is None or (kind == "checkpoint_deleted" and row.blob_key != body.blob_key):
+            return  # gone already: nothing changed
+        owner, details = row.owner, {"model_id": row.model_id}
+        if kind == "checkpoint_deleted":
+            details["reason"] = body.reason
+        elif kind == "checkpoint_ttl_set":
+            details["ttl_seconds"] = body.ttl_seconds if body.HasField("ttl_seconds") else None
+    elif kind == "session_project_assigned":
+        held = await _get(session, SessionRow, body.session_id)
+        if held is None:
+            return
+        owner = held.owner
+        details = {"project_id": body.project_id, "previous_project_id": held.project_id or None}
+    elif kind == "key_issued":
+        owner = body.tenant
+        details = {"key_id": body.key_id, "admin": body.admin, "label": body.label}
+    elif kind == "key_revoked":
+        issued = await session.scalar(
+            select(AuditRow.owner).where(
+                AuditRow.event == "api_key_issued", AuditRow.subject == body.key_id
+            )
+        )
+        owner, details = issued or "", {"key_id": body.key_id, "reason": body.reason}
+    session.add(
+        AuditRow(
+            seq=seq,
+            time=event.time,
+            category=category,
+            event=name,
+            owner=owner,
+            subject=subject,
+            size_bytes=size,
+            details={"tenant": owner, "subject": subject, **details},
+        )
+    )
+
+
+def _audit_entry(kind: str, body: Any) -> tuple[str, str, str] | None:
+    """``(category, event, subject)`` of an event the audit log shows; None for the rest."""
+    if kind in ("weights_saved", "checkpoint_deleted", "checkpoint_ttl_set"):
+        return "checkpoints", kind.replace("weights_saved", "checkpoint_created"), body.tinker_path
+    if kind == "checkpoint_published":
+        name = "checkpoint_published" if body.public else "checkpoint_unpublished"
+        return "checkpoints", name, body.tinker_path
+    if kind == "weights_copied":
+        return "checkpoints", "checkpoint_copied", body.saved.tinker_path
+    if kind == "session_project_assigned":
+        return "projects", "project_session_assigned", body.session_id
+    if kind in ("key_issued", "key_revoked"):
+        return "organizations", kind.replace("key_", "api_key_"), body.key_id
+    return None
 
 
 async def _sampler(session: AsyncSession, seq: int, event: bus.Event) -> None:

@@ -30,6 +30,8 @@ _AGGREGATE: dict[str, tuple[str, str]] = {
     "checkpoint_deleted": ("run", "model_id"),
     "checkpoint_published": ("run", "model_id"),
     "checkpoint_ttl_set": ("run", "model_id"),
+    "weights_copied": ("run", "model_id"),
+    "session_project_assigned": ("session", "session_id"),
     "key_issued": ("key", "key_id"),
     "key_revoked": ("key", "key_id"),
 }

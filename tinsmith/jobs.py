@@ -84,6 +84,9 @@ class RunState:
     # and the log position a rebuild reads from: that snapshot's event, or the run's creation.
     last_snapshot: bus.RunSnapshotted | None = None
     replay_from: int = 0
+    # The tinker:// path whose copy the run holds (copy_weights): such a run is that checkpoint
+    # alone, never loaded on a trainer, and takes no requests.
+    copied_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,16 @@ def evolve_session(state: SessionState | None, event: bus.Event) -> SessionState
             user_metadata=tuple(sorted(created.user_metadata.items())),
             last_active=event.time,
         )
+    if kind == "weights_copied":  # a copy's run joins the session, created finished if new
+        copied = event.weights_copied
+        if state is None:
+            state = SessionState(
+                session_id=copied.session_id,
+                owner=copied.owner,
+                finished=True,
+                last_active=event.time,
+            )
+        return replace(state, run_ids=(*state.run_ids, copied.model_id))
     if state is None:
         return None
     if kind == "session_finished":
@@ -188,6 +201,8 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
             )
     if state is not None and kind == "request_rejected":
         return _spend(state, event.request_rejected.seq_id)
+    if state is None and kind == "weights_copied":
+        return _copy_run(event)
     if state is not None and kind == "run_created":
         return replace(state, ready=True, tokenizer_id=event.run_created.tokenizer_id)
     if state is not None and kind == "weights_saved":
@@ -227,6 +242,31 @@ def evolve_run(state: RunState | None, event: bus.Event) -> RunState | None:
     if state is not None and kind in ("request_completed", "request_failed"):
         return replace(state, takeovers=0) if state.takeovers else state
     return state
+
+
+def _copy_run(event: bus.Event) -> RunState:
+    """The run a copy of weights makes: the copied checkpoint's model and LoRA layout, ready,
+    and its newest checkpoint of the copy's kind."""
+    copied = event.weights_copied
+    saved = copied.saved
+    lora = saved.lora if saved.HasField("lora") else bus.LoraConfig()
+    every = not saved.HasField("lora")  # as the catalog reads a save without a layout: all
+    training = saved.kind == bus.CHECKPOINT_KIND_TRAINING
+    return RunState(
+        model_id=copied.model_id,
+        session_id=copied.session_id,
+        base_model=saved.base_model,
+        lora_rank=saved.lora_rank,
+        train_mlp=every or lora.train_mlp,
+        train_attn=every or lora.train_attn,
+        train_unembed=every or lora.train_unembed,
+        ready=True,
+        last_request_time=event.time,
+        last_checkpoint=saved.tinker_path if training else "",
+        last_sampler_checkpoint="" if training else saved.tinker_path,
+        owner=copied.owner,
+        copied_from=copied.source_path,
+    )
 
 
 def fenced(state: RunState | None, event: bus.Event) -> bool:
@@ -343,6 +383,8 @@ class Projection:
             sampler = evolve_sampler(self.samplers.get(agg_id), event)
             _put(self.samplers, agg_id, sampler and replace(sampler, owner=owner))
             _put(self.sessions, sid, evolve_session(self.sessions.get(sid), event))
+        elif kind == "weights_copied":
+            self._copied(event)
         else:
             if kind == "weights_saved":
                 self._saved(event.weights_saved, event.time)
@@ -425,6 +467,20 @@ class Projection:
         elif kind == "key_revoked" and event.key_revoked.key_id in self.keys:
             key_id = event.key_revoked.key_id
             self.keys[key_id] = replace(self.keys[key_id], revoked=True)
+
+    def _copied(self, event: bus.Event) -> None:
+        """A copy of weights: its session (new, or the owner's own), its run, its checkpoint. A
+        repeat, or a session of another tenant (the catalog refuses both), changes nothing. The
+        run is no loaded run of the tenant's: it never reaches a trainer."""
+        copied = event.weights_copied
+        session = self.sessions.get(copied.session_id)
+        if copied.model_id in self.runs or (session is not None and session.owner != copied.owner):
+            return
+        if session is None:
+            self._usage(copied.owner).session_ids.add(copied.session_id)
+        _put(self.sessions, copied.session_id, evolve_session(session, event))
+        _put(self.runs, copied.model_id, evolve_run(None, event))
+        self._saved(copied.saved, event.time)
 
     def _saved(self, saved: bus.WeightsSaved, time: float) -> None:
         if saved.tinker_path in self.checkpoints:

@@ -68,6 +68,11 @@ CATALOG_OPS = (
     "console_runs",
     "sweep",
     "trace_export",
+    "copy_weights",
+    "assign_session_project",
+    "search_sessions",
+    "audit_log",
+    "billing_usage",
 )
 
 AGGREGATES = ("session", "run", "sampler", "key")

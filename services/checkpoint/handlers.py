@@ -4,8 +4,9 @@ projection of the log: services/gateway/operations.py.)
 
 Owns: the Tinker REST JSON of training runs, checkpoints, sessions and storage usage; who may
 see or change what; and turning deletes, publishes and TTLs into events. Does not own: the
-tables (tinsmith/catalog.py), following the log (projection.py) or the object store
-(storage.py).
+tables (tinsmith/catalog.py), following the log (projection.py), the object store
+(storage.py), copies of weights (copies.py), projects and session search (sessions.py), the
+audit log and billing usage (ledger.py), or how runs go (progress.py).
 
 Every answer waits until the catalog reflects the whole log as it was when the question arrived,
 so a client reads its own writes (a checkpoint listed as soon as save_state returned).
@@ -64,8 +65,11 @@ from tinsmith.failures import InvalidRequest, NotFound, TinsmithError
 from tinsmith.limits import TTL_MAX_S, TTL_MIN_S
 
 from . import access
+from .copies import Copies
+from .ledger import Ledger
 from .progress import Progress
 from .projection import SqlProjection
+from .sessions import Sessions
 from .storage import Storage
 
 log = logging.getLogger(__name__)
@@ -90,6 +94,9 @@ class Catalog:
         self.blobs = blobs
         self.url_ttl_s = url_ttl_s
         self.progress = Progress(eventlog, projection, blobs, url_ttl_s=url_ttl_s)
+        self.copies = Copies(eventlog, projection, blobs)
+        self.projects = Sessions(eventlog, projection)  # projects and search
+        self.ledger = Ledger(projection)
 
     def operations(self) -> dict[str, Callable[[bytes], Awaitable[bytes]]]:
         """Each catalog operation (tinsmith/subjects.CATALOG_OPS) and its bus handler."""
@@ -113,6 +120,11 @@ class Catalog:
             "console_runs": self.progress.console_runs,
             "sweep": self.progress.sweep,
             "trace_export": self.progress.trace_export,
+            "copy_weights": self.copy_weights,
+            "assign_session_project": self.projects.assign_project,
+            "search_sessions": self.projects.search,
+            "audit_log": self.ledger.audit_log,
+            "billing_usage": self.ledger.billing_usage,
         }
         return {name: _answer(name, fn) for name, fn in ops.items()}
 
@@ -275,6 +287,12 @@ class Catalog:
             ttl_set.expires_at = time.time() + query.ttl_seconds
         await self._append(events.make(checkpoint_ttl_set=ttl_set))
         return {}
+
+    async def copy_weights(self, query: bus.CatalogQuery) -> JsonDict:
+        """Copy a checkpoint the caller may read (its own, or a published one) into a new run of
+        its own (copies.py)."""
+        source = await self._checkpoint(query, mine=False)
+        return await self.copies.copy_weights(query, source)
 
     async def gc(self, query: bus.CatalogQuery) -> JsonDict:
         grace = query.grace_s if query.grace_s > 0 else self.storage.gc_grace_s

@@ -447,14 +447,7 @@ def _save_command(call: Call, held: jobs.RunState, request: SaveWeights) -> bus.
             "unencrypted; leave it out"
         )
     _check_metadata(call, request.user_metadata)
-    stored = call.state.usage(call.tenant.name).checkpoint_bytes
-    quota = call.tenant.quotas.max_checkpoint_bytes
-    if stored >= quota:
-        raise QuotaExceeded(
-            f"tenant {call.tenant.name} stores {mib(stored)} of checkpoints, its quota "
-            f"(max_checkpoint_bytes, TINSMITH_TENANT_MAX_CHECKPOINT_MB) is {mib(quota)}: delete "
-            "checkpoints it no longer needs (RestClient.delete_checkpoint) or set TTLs"
-        )
+    may_store_checkpoint(call)
     command = bus.SaveWeights(kind=request.kind, user_metadata=request.user_metadata)
     if request.ttl_seconds is not None:
         command.ttl_seconds = request.ttl_seconds
@@ -475,6 +468,18 @@ def _save_command(call: Call, held: jobs.RunState, request: SaveWeights) -> bus.
     else:
         raise InvalidRequest("save_weights needs a checkpoint name in 'path'")
     return command
+
+
+def may_store_checkpoint(call: Call) -> None:
+    """Refuse a new checkpoint (a save, or a copy) of a tenant at its storage quota."""
+    stored = call.state.usage(call.tenant.name).checkpoint_bytes
+    quota = call.tenant.quotas.max_checkpoint_bytes
+    if stored >= quota:
+        raise QuotaExceeded(
+            f"tenant {call.tenant.name} stores {mib(stored)} of checkpoints, its quota "
+            f"(max_checkpoint_bytes, TINSMITH_TENANT_MAX_CHECKPOINT_MB) is {mib(quota)}: delete "
+            "checkpoints it no longer needs (RestClient.delete_checkpoint) or set TTLs"
+        )
 
 
 def _loadable(call: Call, path: str, with_optimizer: bool, base: str) -> bus.WeightsSaved:
@@ -685,6 +690,12 @@ def _new_run(call: Call, session_id: str, model_seq_id: int) -> tuple[jobs.Sessi
     owner = session(call, session_id)
     counter = _counter("model_seq_id", model_seq_id)
     model_id = subjects.check_id("model_id", f"{owner.session_id}:train:{counter}")
+    held = call.state.runs.get(model_id)
+    if held is not None and held.copied_from:
+        raise InvalidRequest(
+            f"model_seq_id {counter} of session {owner.session_id} holds a copy of "
+            f"{held.copied_from} (copy_weights); create the run with another model_seq_id"
+        )
     return owner, model_id
 
 
@@ -755,6 +766,12 @@ def _submit(
     for it."""
     if not 1 <= seq_id <= limits.INT32_MAX:
         raise InvalidRequest(f"field 'seq_id' must be in [1, {limits.INT32_MAX}], got {seq_id}")
+    if held.copied_from:
+        raise InvalidRequest(
+            f"run {held.model_id} holds a copy of {held.copied_from} (copy_weights) and is "
+            "never trained on; train on a run made from its checkpoint "
+            "(ServiceClient.create_training_client_from_state)"
+        )
     existing = _existing(call, held.model_id, seq_id)
     if existing is not None:
         return Done(existing)

@@ -1,6 +1,7 @@
 """The Tinker REST API (what ``tinker.RestClient``, ``AdminClient`` and the ``tinker`` command
-line call): training runs, checkpoints, sessions, storage usage, and the downloads of signed
-URLs for stores that cannot presign their own (file://).
+line call): training runs, checkpoints and copies of them, sessions, their projects and search,
+storage and billing usage, the audit log, and the downloads of signed URLs for stores that
+cannot presign their own (file://). docs/sdk-methods.md lists every SDK method and its route.
 
 Owns: the routes and their parameters, and relaying each call to the checkpoint service's
 catalog over NATS as the calling tenant asks it. Does not own the answers: the catalog
@@ -13,6 +14,7 @@ import asyncio
 import json
 import re
 import time
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -73,7 +75,12 @@ class Rest:
         add("POST", API + "/weights_info", self.weights_info)
         get(API + "/sessions", self.sessions)
         get(API + "/sessions/{session}", self.session)
+        add("PUT", API + "/sessions/{session}/project", self.assign_project)
+        add("POST", API + "/sessions/search", self.search_sessions)
+        add("POST", API + "/copy_weights", self.copy_weights)
         get(API + "/billing/usage/checkpoints/current", self.storage_usage)
+        get(API + "/billing/usage/events", self.billing_usage)
+        get(API + "/audit", self.audit_log)
         # How runs are going (services/checkpoint/progress.py): what the console shows.
         get(API + "/training_runs/{run}/metrics", self.run_metrics)
         add("POST", API + "/training_runs/{run}/metrics", self.report_metrics)
@@ -174,6 +181,40 @@ class Rest:
             base_url=download_base(self.config, request.host),
         )
 
+    async def copy_weights(self, request: web.Request) -> web.Response:
+        """``copy_weights``: a checkpoint the caller may read copied into a new run of its own
+        (services/checkpoint/copies.py). ``weights_access_token`` is read and not used: what a
+        tenant may read is its own checkpoints and the published ones."""
+        tenant = tenant_of(request)
+        body = await read_json(request)
+        source = body.get("source_path")
+        if not isinstance(source, str):
+            raise InvalidRequest("copy_weights needs 'source_path', a tinker:// checkpoint path")
+        session_id = wire.opt_str(body, "session_id")
+        model_seq_id = body.get("model_seq_id")
+        if model_seq_id is not None:
+            model_seq_id = wire.req_int(body, "model_seq_id", minimum=0, maximum=INT32_MAX)
+        ttl = body.get("ttl_seconds")
+        if ttl is not None:
+            ttl = wire.req_int(body, "ttl_seconds", minimum=0)
+        project = wire.opt_str(body, "destination_project_id")
+        key = request.headers.get("X-Idempotency-Key", "")
+        if len(key) > 200 or not key.isprintable():
+            raise InvalidRequest(
+                "the X-Idempotency-Key header must be at most 200 printable characters"
+            )
+        await self.gateway.decide(tenant, ops.may_store_checkpoint)
+        return await self._ask(
+            "copy_weights",
+            request,
+            tinker_path=str(artifacts.parse(source)),
+            project_id=_project(project) if project is not None else "",
+            session_id=subjects.check_id("session id", session_id) if session_id else "",
+            model_seq_id=model_seq_id,
+            ttl_seconds=ttl,
+            idempotency_key=key,
+        )
+
     async def weights_info(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         path = body.get("tinker_path")
@@ -193,6 +234,43 @@ class Rest:
             "session",
             request,
             session_id=subjects.check_id("session id", request.match_info["session"]),
+        )
+
+    async def assign_project(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        project = body.get("project_id")
+        if not isinstance(project, str):
+            raise InvalidRequest(
+                "assign_session_project needs 'project_id', the project to move the session "
+                "into (sessions cannot be moved out of a project)"
+            )
+        return await self._ask(
+            "assign_session_project",
+            request,
+            session_id=subjects.check_id("session id", request.match_info["session"]),
+            project_id=_project(project),
+        )
+
+    async def search_sessions(self, request: web.Request) -> web.Response:
+        """``search_sessions``: the SessionSearchRequest goes to the catalog as it came (it
+        reads and checks every field: services/checkpoint/sessions.py)."""
+        body = await read_json(request)
+        return await self._ask("search_sessions", request, search=json.dumps(body))
+
+    async def audit_log(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "audit_log",
+            request,
+            event_type=request.query.get("event_type", "all")[:50],
+            day=request.query.get("day", "")[:50],
+        )
+
+    async def billing_usage(self, request: web.Request) -> web.Response:
+        return await self._ask(
+            "billing_usage",
+            request,
+            starting_on=_instant(request, "starting_on"),
+            ending_before=_instant(request, "ending_before"),
         )
 
     async def storage_usage(self, request: web.Request) -> web.Response:
@@ -330,6 +408,28 @@ def _path(request: web.Request) -> str:
     info = request.match_info
     checkpoint = artifacts.checkpoint(info["run"], f"{info['segment']}/{info['name']}")
     return str(checkpoint)
+
+
+def _project(value: str) -> str:
+    """A project id: 1-200 printable characters."""
+    if not 1 <= len(value) <= 200 or not value.isprintable():
+        raise InvalidRequest(f"a project id is 1-200 printable characters, got {value!r:.80}")
+    return value
+
+
+def _instant(request: web.Request, name: str) -> float:
+    """A query parameter that is an RFC 3339 time with its offset, as seconds since the epoch."""
+    raw = request.query.get(name, "")
+    try:
+        when = datetime.fromisoformat(raw)
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None:
+        raise InvalidRequest(
+            f"{name} must be an RFC 3339 time with its UTC offset, e.g. 2026-07-13T00:00:00Z; "
+            f"got {raw[:60]!r}"
+        )
+    return when.timestamp()
 
 
 def _run(request: web.Request) -> str:

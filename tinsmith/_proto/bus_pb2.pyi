@@ -416,7 +416,7 @@ class SamplerCreated(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., session_id: _Optional[str] = ..., base_model: _Optional[str] = ..., model_path: _Optional[str] = ..., adapter_key: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
-    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked", "run_snapshotted", "run_placed", "metrics_reported")
+    __slots__ = ("time", "session_created", "session_finished", "request_accepted", "request_rejected", "request_completed", "request_failed", "run_created", "weights_saved", "sampler_created", "run_unloaded", "run_restored", "checkpoint_deleted", "checkpoint_published", "checkpoint_ttl_set", "request_cancelled", "key_issued", "key_revoked", "run_snapshotted", "run_placed", "metrics_reported", "weights_copied", "session_project_assigned")
     TIME_FIELD_NUMBER: _ClassVar[int]
     SESSION_CREATED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,8 @@ class Event(_message.Message):
     RUN_SNAPSHOTTED_FIELD_NUMBER: _ClassVar[int]
     RUN_PLACED_FIELD_NUMBER: _ClassVar[int]
     METRICS_REPORTED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_COPIED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PROJECT_ASSIGNED_FIELD_NUMBER: _ClassVar[int]
     time: float
     session_created: SessionCreated
     session_finished: SessionFinished
@@ -459,10 +461,12 @@ class Event(_message.Message):
     run_snapshotted: RunSnapshotted
     run_placed: RunPlaced
     metrics_reported: MetricsReported
-    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ..., run_snapshotted: _Optional[_Union[RunSnapshotted, _Mapping]] = ..., run_placed: _Optional[_Union[RunPlaced, _Mapping]] = ..., metrics_reported: _Optional[_Union[MetricsReported, _Mapping]] = ...) -> None: ...
+    weights_copied: WeightsCopied
+    session_project_assigned: SessionProjectAssigned
+    def __init__(self, time: _Optional[float] = ..., session_created: _Optional[_Union[SessionCreated, _Mapping]] = ..., session_finished: _Optional[_Union[SessionFinished, _Mapping]] = ..., request_accepted: _Optional[_Union[RequestAccepted, _Mapping]] = ..., request_rejected: _Optional[_Union[RequestRejected, _Mapping]] = ..., request_completed: _Optional[_Union[RequestCompleted, _Mapping]] = ..., request_failed: _Optional[_Union[RequestFailed, _Mapping]] = ..., run_created: _Optional[_Union[RunCreated, _Mapping]] = ..., weights_saved: _Optional[_Union[WeightsSaved, _Mapping]] = ..., sampler_created: _Optional[_Union[SamplerCreated, _Mapping]] = ..., run_unloaded: _Optional[_Union[RunUnloaded, _Mapping]] = ..., run_restored: _Optional[_Union[RunRestored, _Mapping]] = ..., checkpoint_deleted: _Optional[_Union[CheckpointDeleted, _Mapping]] = ..., checkpoint_published: _Optional[_Union[CheckpointPublished, _Mapping]] = ..., checkpoint_ttl_set: _Optional[_Union[CheckpointTtlSet, _Mapping]] = ..., request_cancelled: _Optional[_Union[RequestCancelled, _Mapping]] = ..., key_issued: _Optional[_Union[KeyIssued, _Mapping]] = ..., key_revoked: _Optional[_Union[KeyRevoked, _Mapping]] = ..., run_snapshotted: _Optional[_Union[RunSnapshotted, _Mapping]] = ..., run_placed: _Optional[_Union[RunPlaced, _Mapping]] = ..., metrics_reported: _Optional[_Union[MetricsReported, _Mapping]] = ..., weights_copied: _Optional[_Union[WeightsCopied, _Mapping]] = ..., session_project_assigned: _Optional[_Union[SessionProjectAssigned, _Mapping]] = ...) -> None: ...
 
 class CatalogQuery(_message.Message):
-    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin", "step", "metrics", "tag", "sweep", "metric", "goal")
+    __slots__ = ("training_run_id", "owner", "access_scope", "limit", "offset", "project_id", "tinker_path", "session_id", "ttl_seconds", "public", "base_url", "grace_s", "admin", "step", "metrics", "tag", "sweep", "metric", "goal", "idempotency_key", "model_seq_id", "search", "event_type", "day", "starting_on", "ending_before")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +493,13 @@ class CatalogQuery(_message.Message):
     SWEEP_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
     GOAL_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DAY_FIELD_NUMBER: _ClassVar[int]
+    STARTING_ON_FIELD_NUMBER: _ClassVar[int]
+    ENDING_BEFORE_FIELD_NUMBER: _ClassVar[int]
     training_run_id: str
     owner: str
     access_scope: str
@@ -508,7 +519,14 @@ class CatalogQuery(_message.Message):
     sweep: str
     metric: str
     goal: str
-    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ..., admin: _Optional[bool] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tag: _Optional[str] = ..., sweep: _Optional[str] = ..., metric: _Optional[str] = ..., goal: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    model_seq_id: int
+    search: str
+    event_type: str
+    day: str
+    starting_on: float
+    ending_before: float
+    def __init__(self, training_run_id: _Optional[str] = ..., owner: _Optional[str] = ..., access_scope: _Optional[str] = ..., limit: _Optional[int] = ..., offset: _Optional[int] = ..., project_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., session_id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., public: _Optional[bool] = ..., base_url: _Optional[str] = ..., grace_s: _Optional[float] = ..., admin: _Optional[bool] = ..., step: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., tag: _Optional[str] = ..., sweep: _Optional[str] = ..., metric: _Optional[str] = ..., goal: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., model_seq_id: _Optional[int] = ..., search: _Optional[str] = ..., event_type: _Optional[str] = ..., day: _Optional[str] = ..., starting_on: _Optional[float] = ..., ending_before: _Optional[float] = ...) -> None: ...
 
 class CatalogReply(_message.Message):
     __slots__ = ("error_kind", "error_detail", "json")
@@ -541,6 +559,32 @@ class CheckpointPublished(_message.Message):
     tinker_path: str
     public: bool
     def __init__(self, model_id: _Optional[str] = ..., tinker_path: _Optional[str] = ..., public: _Optional[bool] = ...) -> None: ...
+
+class WeightsCopied(_message.Message):
+    __slots__ = ("model_id", "session_id", "owner", "project_id", "source_path", "idempotency_key", "saved")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    session_id: str
+    owner: str
+    project_id: str
+    source_path: str
+    idempotency_key: str
+    saved: WeightsSaved
+    def __init__(self, model_id: _Optional[str] = ..., session_id: _Optional[str] = ..., owner: _Optional[str] = ..., project_id: _Optional[str] = ..., source_path: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., saved: _Optional[_Union[WeightsSaved, _Mapping]] = ...) -> None: ...
+
+class SessionProjectAssigned(_message.Message):
+    __slots__ = ("session_id", "project_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    project_id: str
+    def __init__(self, session_id: _Optional[str] = ..., project_id: _Optional[str] = ...) -> None: ...
 
 class CheckpointTtlSet(_message.Message):
     __slots__ = ("model_id", "tinker_path", "ttl_seconds", "expires_at")
