@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-vllm test-pythons check lint proto up clean-cache duty-cycle
+.PHONY: setup demo test test-vllm test-sdks test-pythons check lint proto up clean-cache duty-cycle
 
 setup: $(STAMP)
 
@@ -51,6 +51,15 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_CONSTRAINTS)
 test-vllm: $(VLLM_STAMP)
 	TINSMITH_TEST_ENGINES=vllm TINSMITH_TEST_BASE=tinsmith/small VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \
 		$(VLLM_VENV)/bin/python -m pytest -v -rs -p no:cacheprovider -s tests/sampler/test_contract.py tests/e2e/test_vllm_sampler.py
+
+# The protocol story (tests/sdk_story.py) with older released tinker SDKs as well as the 0.38.0
+# installed here: each from its own pinned environment, built once into ~/.cache/tinsmith
+# (tests/sdk_env.py; about a minute each), then the story against tinsmith up (seconds each).
+SDK_VERSIONS ?= 0.24.1 0.25.0 0.34.0 0.36.0
+
+test-sdks: setup
+	TINSMITH_TEST_SDKS="$(SDK_VERSIONS)" $(BIN)/python -m pytest -v -s -p no:cacheprovider \
+		tests/e2e/test_sdk_versions.py
 
 # The torch-free half of the project (the shared library, the gateway, the checkpoint service,
 # the manifests and images) on the other Pythons it supports: for each of TEST_PYTHONS, an

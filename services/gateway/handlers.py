@@ -155,6 +155,11 @@ class Gateway:
             "pjwt_auth_enabled": False,
             "parallel_fwdbwd_chunks": True,
             "proto_compress_fwdbwd": False,
+            # SDKs before 0.25 send forward_backward as JSON, and forward as JSON to a route of
+            # its own, unless these ask for the protobuf forward_backward (forward_only for a
+            # forward) that 0.25 and later always send: the one form this gateway reads.
+            "proto_write_fwdbwd": True,
+            "fwd_via_fwdbwd": True,
             # Chunks must fit a NATS message with its envelope (8 MB max payload).
             "fwdbwd_max_chunk_bytes_count": self.config.max_chunk_bytes,
             "fwdbwd_max_chunk_len": 1024,

@@ -403,7 +403,9 @@ def forward_backward(payload: bytes) -> ops.ForwardBackward:
         request.ParseFromString(payload)
     except Exception as exc:
         raise InvalidRequest(
-            "the body is not a valid tinker ForwardBackwardRequest protobuf message"
+            "the body is not a valid tinker ForwardBackwardRequest protobuf message, the one "
+            "form accepted (tinker SDKs before 0.25 send JSON unless the client config asks for "
+            "protobuf, as this server's does)"
         ) from exc
     return ops.ForwardBackward(request)
 
