@@ -11,111 +11,24 @@ log (the commands it accepted and the results it stored), beside the recipe's ow
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import re
-import subprocess
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.conftest import RunningSystem, start_system, stop_system
-from tests.cookbook_env import user_environment
-from tinsmith import events, models, subjects
+from tests.e2e.cookbook_runs import RecipeRun, run_recipe
+from tinsmith import models
 from tinsmith._proto import bus_pb2, tinker_public_pb2
-from tinsmith.bus import Bus
-from tinsmith.eventlog import EventLog
 
-RUN_TIMEOUT_S = 300
 STEPS = 3
 SAVE_EVERY = 2
 GROUPS = 4  # groups_per_batch: problems per step
 GROUP_SIZE = 4  # rollouts per problem
 MAX_TOKENS = 5
 ROLE_COLON_STOP = "\n\nUser:"
-
-
-@dataclass
-class Request:
-    """One accepted request, with its outcome."""
-
-    position: int  # in the event log
-    aggregate_id: str
-    seq_id: int
-    command: str
-    body: Any  # the command message
-    outcome: str = "pending"  # completed, failed
-    result: bytes = b""
-    detail: str = ""
-
-
-@dataclass
-class ServerLog:
-    requests: list[Request] = field(default_factory=list)
-    samplers: dict[str, str] = field(default_factory=dict)  # sampler_id -> adapter key
-
-    def of(self, command: str, aggregate_id: str | None = None) -> list[Request]:
-        return [
-            r
-            for r in self.requests
-            if r.command == command and (aggregate_id is None or r.aggregate_id == aggregate_id)
-        ]
-
-
-@dataclass
-class RecipeRun:
-    system: RunningSystem
-    returncode: int
-    output: str
-    metrics: list[dict[str, Any]]
-    checkpoints: list[dict[str, Any]]
-    server: ServerLog
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-async def _read_server_log(system: RunningSystem) -> ServerLog:
-    match = re.search(r"listen: (\S+)", (system.data_dir / "nats-server.conf").read_text())
-    assert match
-    bus = await Bus.connect(f"nats://{match.group(1)}", name="test-reader")
-    log = EventLog(bus)
-    server = ServerLog()
-    by_id: dict[str, Request] = {}
-    try:
-        for seq in range(1, await bus.last_seq(subjects.EVENTS_STREAM) + 1):
-            event = events.decode(await bus.get(subjects.EVENTS_STREAM, seq))
-            kind = events.kind_of(event)
-            if kind == "request_accepted":
-                accepted = event.request_accepted
-                command = events.command_of(accepted)
-                request = Request(
-                    seq, accepted.aggregate_id, accepted.seq_id, command, getattr(accepted, command)
-                )
-                by_id[accepted.request_id] = request
-                server.requests.append(request)
-            elif kind == "request_completed":
-                done = event.request_completed
-                by_id[done.request_id].outcome = "completed"
-                by_id[done.request_id].result, _ = await log.get_result(done.result_seq)
-            elif kind == "request_failed":
-                failed = event.request_failed
-                by_id[failed.request_id].outcome = "failed"
-                by_id[failed.request_id].detail = f"{failed.kind}: {failed.detail}"
-            elif kind == "sampler_created":
-                created = event.sampler_created
-                server.samplers[created.sampler_id] = created.adapter_key
-        return server
-    finally:
-        await bus.close()
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +43,7 @@ def run(
     cookbook_python: Path, rl_system: RunningSystem, tmp_path_factory: pytest.TempPathFactory
 ) -> RecipeRun:
     work = tmp_path_factory.mktemp("cookbook-rl")
-    log_path = work / "math_rl"
-    env = user_environment(work, "tml-cookbook-rl-e2e")
-    command = [
-        str(cookbook_python),
-        "-m",
-        "tinker_cookbook.recipes.math_rl.train",
+    arguments = [
         "env=arithmetic",
         f"model_name={models.materialize(models.TINY)}",
         "renderer_name=role_colon",
@@ -147,49 +55,13 @@ def run(
         f"max_steps={STEPS}",
         "eval_every=0",
         f"save_every={SAVE_EVERY}",
-        f"log_path={log_path}",
-        "behavior_if_log_dir_exists=delete",
     ]
-    result = subprocess.run(
-        command,
-        cwd=work,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
-    return RecipeRun(
-        system=rl_system,
-        returncode=result.returncode,
-        output=result.stdout,
-        metrics=_jsonl(log_path / "metrics.jsonl"),
-        checkpoints=_jsonl(log_path / "checkpoints.jsonl"),
-        server=asyncio.run(_read_server_log(rl_system)),
-    )
-
-
-def _failure(run: RecipeRun) -> str:
-    failed = [
-        f"{r.command} {r.aggregate_id}:{r.seq_id}: {r.detail}"
-        for r in run.server.requests
-        if r.outcome == "failed"
-    ]
-    return (
-        f"the recipe exited {run.returncode}:\n{run.output[-8000:]}\n\n"
-        f"failed requests: {failed}\n\nserver logs:\n{run.system.logs()}"
-    )
-
-
-def _training_run(run: RecipeRun) -> str:
-    created = run.server.of("create_model")
-    assert len(created) == 1, created
-    return created[0].aggregate_id
+    module = "tinker_cookbook.recipes.math_rl.train"
+    return run_recipe(cookbook_python, rl_system, module, arguments, work, "tml-cookbook-rl-e2e")
 
 
 def test_the_recipe_runs_its_steps_and_logs_metrics_for_each(run: RecipeRun) -> None:
-    assert run.returncode == 0, _failure(run)
+    assert run.returncode == 0, run.failure()
     assert [row["step"] for row in run.metrics] == list(range(STEPS)), run.metrics
     for row in run.metrics:
         # every rollout of the step made it into the batch
@@ -203,9 +75,9 @@ def test_the_recipe_runs_its_steps_and_logs_metrics_for_each(run: RecipeRun) -> 
 
 
 def test_each_step_samples_with_the_string_stop_from_a_fresh_sampler(run: RecipeRun) -> None:
-    assert run.returncode == 0, _failure(run)
+    assert run.returncode == 0, run.failure()
     samples = run.server.of("sample")
-    assert samples and all(r.outcome == "completed" for r in samples), _failure(run)
+    assert samples and all(r.outcome == "completed" for r in samples), run.failure()
     assert len(samples) * max(r.body.num_samples for r in samples) >= STEPS * GROUPS * GROUP_SIZE
     for request in samples:
         params = request.body.params
@@ -221,7 +93,7 @@ def test_each_step_samples_with_the_string_stop_from_a_fresh_sampler(run: Recipe
 
     # One sampler per step, refreshed after each optim_step: 16 rollouts per step, all from the
     # weights saved after the previous step, sampled between that save and the step's training.
-    model_id = _training_run(run)
+    model_id = run.training_run()
     blocks: list[tuple[str, list[int]]] = []  # (adapter key, log positions), in log order
     for request in samples:
         if not blocks or blocks[-1][0] != request.body.adapter_key:
@@ -244,10 +116,10 @@ def test_each_step_samples_with_the_string_stop_from_a_fresh_sampler(run: Recipe
 
 
 def test_each_step_trains_with_importance_sampling(run: RecipeRun) -> None:
-    assert run.returncode == 0, _failure(run)
-    model_id = _training_run(run)
+    assert run.returncode == 0, run.failure()
+    model_id = run.training_run()
     steps = run.server.of("forward_backward", model_id)
-    assert steps and all(r.outcome == "completed" for r in steps), _failure(run)
+    assert steps and all(r.outcome == "completed" for r in steps), run.failure()
     assert {r.body.loss_fn for r in steps} == {"importance_sampling"}
     assert not any(r.body.forward_only for r in steps)
     assert sum(len(r.body.data) for r in steps) == STEPS * GROUPS * GROUP_SIZE
@@ -271,10 +143,10 @@ def test_each_step_trains_with_importance_sampling(run: RecipeRun) -> None:
 
 
 def test_the_checkpoint_is_written(run: RecipeRun) -> None:
-    assert run.returncode == 0, _failure(run)
+    assert run.returncode == 0, run.failure()
     names = [r["name"] for r in run.checkpoints]
     assert f"{SAVE_EVERY:06d}" in names, run.checkpoints
-    model_id = _training_run(run)
+    model_id = run.training_run()
     record = run.checkpoints[names.index(f"{SAVE_EVERY:06d}")]
     assert record["state_path"] == f"tinker://{model_id}/weights/{SAVE_EVERY:06d}"
     assert record["sampler_path"] == f"tinker://{model_id}/sampler_weights/{SAVE_EVERY:06d}"
