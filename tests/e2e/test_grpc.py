@@ -296,6 +296,9 @@ def test_an_oversized_message_is_refused_with_a_clear_error(channel: grpc.Channe
 # tinsmith/tiny generates a few hundred tokens a second here: this many take seconds, far longer
 # than the deadlines below.
 LONG = 1000
+# LONG tokens for each of WIDE samples keep the sampler busy for several seconds (one sample
+# alone takes about one), so a request that was not cancelled shows.
+WIDE = 16
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +416,7 @@ def test_a_deadline_cancels_the_sample_and_frees_the_sampler(
     channel: grpc.Channel, base_sampler: str, system: RunningSystem
 ) -> None:
     sampling = stubs.SamplingStub(channel)
-    request = _sample(base_sampler, 0, LONG)
+    request = _sample(base_sampler, 0, LONG, num_samples=WIDE)
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as expired:
         sampling.Sample(request, timeout=0.5)
@@ -431,7 +434,7 @@ def test_a_cancelled_stream_cancels_its_sample(
     channel: grpc.Channel, base_sampler: str, system: RunningSystem
 ) -> None:
     sampling = stubs.SamplingStub(channel)
-    request = _sample(base_sampler, 2, LONG)
+    request = _sample(base_sampler, 2, LONG, num_samples=WIDE)
     call = sampling.SampleStream(request, timeout=60)
     first = next(call)
     assert first.deltas and not first.HasField("response")
