@@ -1,9 +1,8 @@
 """A virtual environment with the tinker-cookbook, apart from the server's, as on a user's laptop.
 
-It is built once and reused: under ``$TINSMITH_TEST_CACHE`` (default: the tinsmith cache directory,
-``~/.cache/tinsmith``) as ``cookbook-venv-<version>``. A marker file, written last, records the
-exact pins it was built from; a directory without a matching marker is removed and built again.
-Building takes about a minute and a half with PyPI reachable (torch comes from the local CPU wheel).
+It is built once and reused (tests/pinned_venv.py), as ``cookbook-venv-<version>`` in the test
+cache. Building takes about a minute and a half with PyPI reachable (torch comes from the local
+CPU wheel, installed first and on its own).
 
 The cookbook is installed with its ``math-rl`` extra (the arithmetic RL recipe imports
 ``math_verify``). Every package is pinned to what ``tinker-cookbook[math-rl]==0.5.8`` resolved to,
@@ -12,24 +11,15 @@ so a later release of any dependency cannot change what the tests run.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import os
-import shutil
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from tinsmith.models import default_cache_dir
+from tests import pinned_venv
+from tests.pinned_venv import PinnedVenv
 
 COOKBOOK = "tinker-cookbook==0.5.8"
 # The extras installed with it: math-rl for the math_rl recipe (math-verify, pylatexenc, sympy).
 COOKBOOK_EXTRAS = "math-rl"
-PIP = "pip==26.3"
 # Installed first and on its own: without it pip would resolve torch to the CUDA build (GBs).
 TORCH = "torch==2.13.0"
 # Everything tinker-cookbook[math-rl] 0.5.8 resolved to (pip freeze of a fresh build), torch's own
@@ -119,82 +109,20 @@ yarl==1.25.1
 zstandard==0.25.0
 """
 
-_MARKER = ".tinsmith-cookbook-installed"
-_INSTALL_TIMEOUT_S = 1800
-
-
-def venv_dir() -> Path:
-    root = Path(os.environ.get("TINSMITH_TEST_CACHE") or default_cache_dir()).expanduser()
-    return root / f"cookbook-venv-{COOKBOOK.split('==')[1]}"
-
-
-def _fingerprint() -> str:
-    recipe = "\n".join([sys.version, PIP, TORCH, COOKBOOK, COOKBOOK_EXTRAS, PINS])
-    return hashlib.sha256(recipe.encode()).hexdigest()
-
-
-def _marker_ok(venv: Path) -> bool:
-    try:
-        marker = json.loads((venv / _MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker.get("fingerprint") == _fingerprint() and (venv / "bin" / "python").exists()
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run(*args: str | Path) -> None:
-    result = subprocess.run(
-        [str(a) for a in args],
-        capture_output=True,
-        text=True,
-        timeout=_INSTALL_TIMEOUT_S,
-        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
-    )
-    if result.returncode != 0:
-        output = (result.stdout + result.stderr)[-6000:]
-        raise RuntimeError(f"{' '.join(map(str, args))} failed ({result.returncode}):\n{output}")
+VENV = PinnedVenv(
+    name=f"cookbook-venv-{COOKBOOK.split('==')[1]}",
+    pins=PINS,
+    installs=(
+        (TORCH,),
+        (f"{COOKBOOK.split('==')[0]}[{COOKBOOK_EXTRAS}]=={COOKBOOK.split('==')[1]}",),
+    ),
+    marker=".tinsmith-cookbook-installed",
+)
 
 
 def ensure_cookbook_venv() -> Path:
     """The cookbook virtual environment's python, building the environment when it is missing."""
-    venv = venv_dir()
-    python = venv / "bin" / "python"
-    if _marker_ok(venv):
-        return python
-    with _locked(venv.parent / f".{venv.name}.lock"):
-        if _marker_ok(venv):  # another process finished it while we waited
-            return python
-        shutil.rmtree(venv, ignore_errors=True)
-        started = time.monotonic()
-        _run(sys.executable, "-m", "venv", venv)
-        constraints = venv / "constraints.txt"
-        constraints.write_text(PINS.strip() + "\n")
-        pip = (python, "-m", "pip", "install", "--quiet", "--no-input")
-        _run(*pip, PIP)
-        _run(*pip, "-c", constraints, TORCH)
-        name, version = COOKBOOK.split("==")
-        _run(*pip, "-c", constraints, f"{name}[{COOKBOOK_EXTRAS}]=={version}")
-        marker = {"fingerprint": _fingerprint(), "seconds": round(time.monotonic() - started, 1)}
-        (venv / _MARKER).write_text(json.dumps(marker) + "\n")
-    return python
-
-
-def build_seconds() -> float | None:
-    """How long the cached environment took to build, from its marker."""
-    try:
-        return float(json.loads((venv_dir() / _MARKER).read_text())["seconds"])
-    except (OSError, ValueError, KeyError):
-        return None
+    return VENV.ensure()
 
 
 def example_conversations(python: Path) -> Path:
@@ -212,14 +140,6 @@ def example_conversations(python: Path) -> Path:
 
 
 def user_environment(work: Path, api_key: str) -> dict[str, str]:
-    """A user's shell for a recipe: nothing from the server's environment, nothing cached from
-    the hub, the API key set, and the SDK's telemetry left at its default (on)."""
-    unset = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_TELEMETRY")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    return env | {
-        "TINKER_API_KEY": api_key,
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HOME": str(work / "hf-home"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    """A user's shell for a recipe (``pinned_venv.user_environment``), with the API key set and
+    the datasets library offline too."""
+    return pinned_venv.user_environment(work, TINKER_API_KEY=api_key, HF_DATASETS_OFFLINE="1")

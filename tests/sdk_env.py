@@ -2,10 +2,8 @@
 laptop of a user who has not upgraded: what ``tests/e2e/test_sdk_versions.py`` runs the protocol
 story (``tests/sdk_story.py``) with.
 
-Each is built once and reused: under ``$TINSMITH_TEST_CACHE`` (default: the tinsmith cache
-directory, ``~/.cache/tinsmith``) as ``sdk-venv-<version>``. A marker file, written last, records
-the exact pins it was built from; a directory without a matching marker is removed and built
-again. Building one takes about a minute with PyPI reachable (the SDK needs no torch).
+Each is built once and reused (tests/pinned_venv.py), as ``sdk-venv-<version>`` in the test
+cache. Building one takes about a minute with PyPI reachable (the SDK needs no torch).
 
 Every package is pinned (``PINS``: a pip freeze of fresh builds, which resolved to the same
 dependencies for every version below), so a later release of a dependency cannot change what the
@@ -14,21 +12,10 @@ tests run; a build that installs anything not pinned here fails and names it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from tinsmith.models import default_cache_dir
+from tests.pinned_venv import PinnedVenv
 
-PIP = "pip==26.3"
 # The versions `make test-sdks` runs the story with (its SDK_VERSIONS): 0.24.1, the last that sends
 # forward_backward as JSON unless the server asks for protobuf; 0.25.0, the first that always
 # sends protobuf; 0.34.0, the newest of 0.30-0.34; 0.36.0, whose create-from-state still sends
@@ -81,100 +68,18 @@ typing-inspection==0.4.5
 zstandard==0.25.0
 """
 
-_MARKER = ".tinsmith-sdk-installed"
-_INSTALL_TIMEOUT_S = 900
 
-
-def venv_dir(version: str) -> Path:
-    root = Path(os.environ.get("TINSMITH_TEST_CACHE") or default_cache_dir()).expanduser()
-    return root / f"sdk-venv-{version}"
-
-
-def _fingerprint(version: str) -> str:
-    recipe = "\n".join([sys.version, PIP, f"tinker=={version}", PINS])
-    return hashlib.sha256(recipe.encode()).hexdigest()
-
-
-def _marker_ok(venv: Path, version: str) -> bool:
-    try:
-        marker = json.loads((venv / _MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker.get("fingerprint") == _fingerprint(version) and (venv / "bin/python").exists()
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run(*args: str | Path) -> str:
-    result = subprocess.run(
-        [str(a) for a in args],
-        capture_output=True,
-        text=True,
-        timeout=_INSTALL_TIMEOUT_S,
-        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
+def venv(version: str) -> PinnedVenv:
+    return PinnedVenv(
+        name=f"sdk-venv-{version}",
+        pins=PINS,
+        installs=((f"tinker=={version}",),),
+        marker=".tinsmith-sdk-installed",
+        timeout_s=900,
+        exact=True,
     )
-    if result.returncode != 0:
-        output = (result.stdout + result.stderr)[-6000:]
-        raise RuntimeError(f"{' '.join(map(str, args))} failed ({result.returncode}):\n{output}")
-    return result.stdout
-
-
-def _normalized(requirement: str) -> str:
-    """A ``name==version`` line as PEP 503 names it (pip freeze keeps the distribution's case
-    and underscores)."""
-    name, _, version = requirement.partition("==")
-    return f"{name.lower().replace('_', '-').replace('.', '-')}=={version}"
 
 
 def ensure_sdk_venv(version: str) -> Path:
     """The python of tinker ``version``'s virtual environment, building it when it is missing."""
-    venv = venv_dir(version)
-    python = venv / "bin" / "python"
-    if _marker_ok(venv, version):
-        return python
-    with _locked(venv.parent / f".{venv.name}.lock"):
-        if _marker_ok(venv, version):  # another process finished it while we waited
-            return python
-        shutil.rmtree(venv, ignore_errors=True)
-        started = time.monotonic()
-        _run(sys.executable, "-m", "venv", venv)
-        constraints = venv / "constraints.txt"
-        constraints.write_text(PINS.strip() + "\n")
-        pip = (python, "-m", "pip", "install", "--quiet", "--no-input")
-        _run(*pip, PIP)
-        _run(*pip, "-c", constraints, f"tinker=={version}")
-        pinned = {_normalized(line) for line in PINS.split()} | {f"tinker=={version}"}
-        frozen = _run(python, "-m", "pip", "freeze", "--exclude", "pip").split()
-        unpinned = sorted(line for line in frozen if _normalized(line) not in pinned)
-        if unpinned:
-            raise RuntimeError(
-                f"tinker {version} installed packages that tests/sdk_env.py does not pin: "
-                f"{', '.join(unpinned)}; add them to PINS"
-            )
-        marker = {
-            "fingerprint": _fingerprint(version),
-            "seconds": round(time.monotonic() - started, 1),
-        }
-        (venv / _MARKER).write_text(json.dumps(marker) + "\n")
-    return python
-
-
-def user_environment(work: Path) -> dict[str, str]:
-    """A user's shell for the story: nothing from the server's environment, nothing cached from
-    the hub, and the SDK's telemetry left at its default (on)."""
-    unset = ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME", "TINKER_BASE_URL", "TINKER_TELEMETRY")
-    env = {k: v for k, v in os.environ.items() if k not in unset}
-    return env | {
-        "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(work / "hf-home"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    return venv(version).ensure()

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import RunningSystem
-from tests.sdk_env import ensure_sdk_venv, user_environment
+from tests.pinned_venv import user_environment
+from tests.sdk_env import ensure_sdk_venv
 from tinsmith import models
 from tinsmith._proto import tinker_public_pb2 as tp
 
