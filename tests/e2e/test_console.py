@@ -253,6 +253,13 @@ def test_the_run_page_follows_the_run_live_and_acts_on_its_checkpoints(
     assert all(text for text in completions.all_inner_texts())
     expect(page.locator("[data-test=samples]")).to_contain_text(world.sampler_path)
     page.screenshot(path=screenshots / "console-run.png", full_page=True)
+    # As chat: the prompt is the user's message, through the model's chat template.
+    page.check("[data-test=chat]")
+    page.fill("input[name=num_samples]", "2")
+    page.click("[data-test=sample]")
+    expect(page.locator("[data-test=samples]")).to_contain_text("the chat template applied")
+    expect(completions).to_have_count(2, timeout=60_000)
+    page.uncheck("[data-test=chat]")
 
     # The session's trace: a link to a Chrome trace of this session's requests.
     page.click("[data-test=trace]")

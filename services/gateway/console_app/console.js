@@ -19,12 +19,12 @@ class ApiError extends Error {
   }
 }
 
-async function api(path, { method = "GET", body } = {}) {
+async function api(path, { method = "GET", body, root = API } = {}) {
   const key = localStorage.getItem(KEY);
   if (!key) throw new ApiError(401, "");
   const headers = { "X-API-Key": key };
   if (body !== undefined) headers["Content-Type"] = "application/json";
-  const response = await fetch(API + path, {
+  const response = await fetch(root + path, {
     method, headers, body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await response.text();
@@ -520,7 +520,30 @@ function drawCheckpoints(body, checkpoints, reload) {
 }
 
 // The sampler playground: a prompt, sampled from one of the run's sampler checkpoints (or its
-// base model) through POST /api/v1/sample_text.
+// base model) through POST /api/v1/sample_text, or, as chat, as the user's message through the
+// model's chat template (POST /v1/chat/completions, the OpenAI-compatible route).
+async function samplePlayground(chosen, prompt, samples, params, chat) {
+  if (!chat) {
+    const answer = await api("/sample_text", { method: "POST", body: {
+      prompt,
+      ...(chosen.startsWith("tinker://") ? { model_path: chosen } : { base_model: chosen }),
+      num_samples: samples,
+      sampling_params: params,
+    } });
+    return { model: answer.model_path || answer.base_model, promptTokens: answer.prompt_tokens,
+      texts: answer.sequences.map((s) => ({ text: s.text, tokens: s.tokens.length,
+        stop: s.stop_reason })) };
+  }
+  const answer = await api("/chat/completions", { method: "POST", root: "/v1", body: {
+    model: chosen, messages: [{ role: "user", content: prompt }], n: samples, logprobs: true,
+    ...params,
+  } });
+  // A choice's logprobs are its answer's tokens (the end of turn is cut, as a stop string).
+  return { model: answer.model, promptTokens: answer.usage.prompt_tokens,
+    texts: answer.choices.map((c) => ({ text: c.message.content,
+      tokens: c.logprobs.content.length, stop: c.finish_reason })) };
+}
+
 function playgroundCard() {
   const model = h("select", { name: "model", dataset: { test: "model" } });
   const prompt = h("textarea", { name: "prompt", rows: 4, placeholder: "A prompt, as text",
@@ -530,6 +553,7 @@ function playgroundCard() {
     value: 0.7 });
   const samples = h("input", { name: "num_samples", type: "number", min: 1, max: 16, value: 2 });
   const stop = h("input", { name: "stop", placeholder: "e.g. \\n or <|im_end|>", size: 18 });
+  const chat = h("input", { name: "chat", type: "checkbox", dataset: { test: "chat" } });
   const out = h("div", { dataset: { test: "samples" } });
   const go = h("button", { type: "submit", class: "primary", dataset: { test: "sample" } }, "Sample");
   const form = h("form", { onsubmit: async (event) => {
@@ -540,18 +564,15 @@ function playgroundCard() {
     const params = { max_tokens: Number(maxTokens.value), temperature: Number(temperature.value) };
     if (stop.value) params.stop = stop.value.split("|").map((s) => s.replace(/\\n/g, "\n"));
     try {
-      const answer = await api("/sample_text", { method: "POST", body: {
-        prompt: prompt.value,
-        ...(chosen.startsWith("tinker://") ? { model_path: chosen } : { base_model: chosen }),
-        num_samples: Number(samples.value),
-        sampling_params: params,
-      } });
+      const answer = await samplePlayground(chosen, prompt.value, Number(samples.value), params,
+        chat.checked);
       out.replaceChildren(h("p", { class: "muted" },
-        `${answer.sequences.length} from ${answer.model_path || answer.base_model}; `
-        + `prompt ${answer.prompt_tokens} tokens`),
-      h("ol", { class: "samples" }, answer.sequences.map((s) => h("li", {},
-        h("span", { class: "prompt" }, prompt.value), h("span", { dataset: { test: "completion" } },
-          s.text), h("div", { class: "muted" }, `${s.tokens.length} tokens, stopped: ${s.stop_reason}`)))));
+        `${answer.texts.length} from ${answer.model}; prompt ${answer.promptTokens} tokens`
+        + (chat.checked ? " (the chat template applied)" : "")),
+      h("ol", { class: "samples" }, answer.texts.map((s) => h("li", {},
+        chat.checked ? "" : h("span", { class: "prompt" }, prompt.value),
+        h("span", { dataset: { test: "completion" } }, s.text),
+        h("div", { class: "muted" }, `${s.tokens} tokens, stopped: ${s.stop}`)))));
     } catch (error) {
       out.replaceChildren(h("p", { class: "error", dataset: { test: "sample-error" } }, error.message));
     } finally {
@@ -559,7 +580,9 @@ function playgroundCard() {
     }
   } }, h("div", { class: "row" }, h("label", {}, "Weights", model),
     h("label", {}, "Max tokens", maxTokens), h("label", {}, "Temperature", temperature),
-    h("label", {}, "Samples", samples), h("label", {}, "Stop at", stop)),
+    h("label", {}, "Samples", samples), h("label", {}, "Stop at", stop),
+    h("label", { title: "Send the prompt as the user's message, through the model's chat template" },
+      chat, " Chat")),
   h("p", {}, prompt), h("div", { class: "row" }, go,
     h("span", { class: "muted" }, "Several stop strings: separate them with |; \\n is a newline.")));
   const element = card(h("h2", {}, "Sampler playground"), form, out);
