@@ -3,15 +3,17 @@ against a running tinsmith: the protocol suite for every SDK version tinsmith su
 
     python tests/sdk_story.py BASE_URL API_KEY BASE_MODEL
 
-It is a plain script (it needs the SDK and numpy, which the SDK depends on, and nothing of
+It is a plain script (it needs the SDK, and numpy and httpx, which the SDK depends on; nothing of
 tinsmith's), so that each SDK version's own virtual environment can run it; the tests in
 ``tests/e2e/test_sdk_versions.py`` do. The story: a session, a LoRA run, ``forward``,
 ``forward_backward``, ``optim_step``, ``save_state``, a run created from that state with its
 optimizer and one without, sampler weights, ``sample`` with prompt logprobs,
-``compute_logprobs``, and the REST catalog. Every step checks values, not only that a call
-returned: forward's logprobs are forward_backward's, the loss moves after a step, a run created
-from state scores as the saved one did and then steps as the original (with the optimizer) or
-not (without), the sampler's prompt logprobs are compute_logprobs' and the trained run's.
+``compute_logprobs``, the REST catalog, and (0.34.0 and before) the checkpoint archive. Every
+step checks values, not only that a call returned: forward's logprobs are forward_backward's, the
+loss moves after a step, a run created from state scores as the saved one did and then steps as
+the original (with the optimizer) or not (without), the sampler's prompt logprobs are
+compute_logprobs' and the trained run's, and an archive holds its checkpoint's files byte for
+byte as they download one by one.
 
 It prints one JSON line: ``{"sdk": version, "passed": [steps], "skipped": {step: why},
 "values": {...}}``. A step the version's SDK lacks the method for is skipped, and ``skipped``
@@ -24,13 +26,21 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import inspect
+import io
 import json
 import math
+import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 import traceback
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import tinker
 from tinker import types
@@ -40,6 +50,8 @@ ADAM = types.AdamParams(learning_rate=1e-2)
 SAME = 1e-5
 # A sampler and a trainer compute the same logprobs with different kernels.
 CLOSE = 1e-3
+# The marker a checkpoint archive ends with: the old CLI's push-hf refuses an archive without it.
+COMPLETE = "checkpoint_complete"
 
 
 class StoryFailed(Exception):
@@ -147,6 +159,58 @@ def rest_client(service: Any, base_url: str, api_key: str) -> Any:
     if rest is not None and "base_url" in inspect.signature(rest.__init__).parameters:
         return rest(base_url=base_url, api_key=api_key)
     return service.create_rest_client()
+
+
+def fetched(urls: dict[str, str]) -> dict[str, bytes]:
+    """Each file of a checkpoint from its download URL (no API key: the URL is the credential)."""
+    return {
+        name: httpx.get(url, timeout=60).raise_for_status().content for name, url in urls.items()
+    }
+
+
+def file_urls(base_url: str, api_key: str, tinker_path: str) -> dict[str, str]:
+    """A download URL per file of any checkpoint, from the route that ``get_external_weights_urls``
+    calls (that method, 0.34.0 and later, takes external weights only; older versions lack it)."""
+    run, checkpoint = tinker_path.removeprefix("tinker://").split("/", 1)
+    answer = httpx.get(
+        f"{base_url}/api/v1/training_runs/{run}/checkpoints/{checkpoint}/external_weights_urls",
+        headers={"X-API-Key": api_key},
+        timeout=60,
+    )
+    urls: dict[str, str] = answer.raise_for_status().json()["urls"]
+    return urls
+
+
+def archived(answer: Any) -> dict[str, bytes]:
+    """The files of a checkpoint archive, from the URL the SDK's archive method answered, read as
+    the old CLI extracts it: a tar of regular files at its root."""
+    check(answer.expires > datetime.now(UTC) + timedelta(minutes=30), f"expires {answer.expires}")
+    data = httpx.get(answer.url, timeout=60).raise_for_status().content
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        for member in tar.getmembers():
+            check(member.isreg() and "/" not in member.name, f"archive member {member.name}")
+            extracted = tar.extractfile(member)
+            assert extracted is not None
+            files[member.name] = extracted.read()
+    return files
+
+
+def cli_download(base_url: str, api_key: str, tinker_path: str) -> dict[str, bytes]:
+    """``tinker checkpoint download`` of this version: the files it extracts."""
+    with tempfile.TemporaryDirectory() as out:
+        command = ["--format", "json", "checkpoint", "download", tinker_path, "--output", out]
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "tinker"), *command],
+            env={**os.environ, "TINKER_BASE_URL": base_url, "TINKER_API_KEY": api_key},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        check(done.returncode == 0, f"tinker checkpoint download: {done.stdout}{done.stderr}")
+        (directory,) = Path(out).iterdir()
+        check(directory.name == tinker_path.removeprefix("tinker://").replace("/", "_"), out)
+        return {p.name: p.read_bytes() for p in directory.iterdir()}
 
 
 def tell(story: Story, base_url: str, api_key: str, base_model: str) -> None:
@@ -298,6 +362,32 @@ def tell(story: Story, base_url: str, api_key: str, base_model: str) -> None:
         with story.step("weights_info"):
             weights = weights_info(state).result()
             check(weights.base_model == base_model and weights.lora_rank == 8, f"{weights}")
+
+    step = "checkpoint_archive"
+    archive = story.method(rest, "get_checkpoint_archive_url_from_tinker_path", step)
+    if archive is not None:
+        with story.step(step):
+            # Each checkpoint's archive is its files, byte for byte as each downloads alone,
+            # and the marker; by path or by run and checkpoint id, and through the CLI.
+            expected = {}
+            for path in (state, sampler_path):
+                expected[path] = {**fetched(file_urls(base_url, api_key, path)), COMPLETE: b""}
+                check(archived(archive(path).result()) == expected[path], f"the archive of {path}")
+            by_id = rest.get_checkpoint_archive_url(training.model_id, "weights/story-state")
+            check(archived(by_id.result()) == expected[state], "the archive by checkpoint id")
+            check(cli_download(base_url, api_key, state) == expected[state], "the CLI's download")
+            values["archive_members"] = sorted(expected[state])
+            export = getattr(training, "save_weights_external", None)
+            if export is not None and hasattr(rest, "get_external_weights_urls"):
+                # The same weights exported: what the SDK's own get_external_weights_urls gives.
+                exported = export("story-export").result().path
+                files = fetched(rest.get_external_weights_urls(exported).result().urls)
+                check(archived(archive(exported).result()) == {**files, COMPLETE: b""}, exported)
+                check(
+                    {**files, COMPLETE: b""} == expected[sampler_path],
+                    "the export of the sampler's weights differs from their archive",
+                )
+                values["export_members"] = sorted(files)
 
     close = story.method(service, "close", "close")
     if close is not None:

@@ -3,8 +3,9 @@
 Owns: moving whole artifact directories between a local directory and a key under the store's
 root, telling whether an artifact is complete, listing artifacts with their sizes and ages,
 deleting them, and download URLs for their files: presigned by the store itself where it can
-(s3://, gs://), else signed here for the gateway to serve (file://). Does not own: what keys are
-(artifacts.py).
+(s3://, gs://), else signed here for the gateway to serve (file://); and the signed URLs of whole
+artifacts as tar archives, which the gateway streams from any store. Does not own: what keys are
+(artifacts.py), nor an archive's bytes (services/gateway/archives.py).
 
 An artifact is written file by file and then sealed with a marker written last, so a reader never
 sees half an artifact. Keys are validated before they touch storage: relative, no empty, '.' or
@@ -15,7 +16,9 @@ A signed download URL is bound to the tenant it was made for: its path and query
 HMAC-SHA256 with the store's signing key) covers the path, the expiry and the tenant, so none of
 them can be changed. ``verify`` answers the store path and the tenant (``SignedDownload``); whether
 that tenant may still read the checkpoint is the caller's to check. Presigned URLs (s3://, gs://)
-are the store's own and carry no tenant.
+are the store's own and carry no tenant. An archive URL is ``<key>?expires=&tenant=&signature=``,
+signed the same way under another prefix, so that neither kind of URL verifies as the other
+(``signed_archive_query``, ``verify_archive``: ``SignedArchive``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import hmac
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -42,8 +45,10 @@ from tinsmith import telemetry
 from tinsmith.failures import InvalidRequest
 
 _SEALED = ".complete"
-# Prefixes the signed message: a URL signed before URLs carried a tenant never verifies.
+# Prefixes the signed message of each kind of URL: a file's, and a whole artifact's as a tar
+# archive. A URL signed before URLs carried a tenant never verifies.
 _SIGNED = "tinsmith-download-v2"
+_SIGNED_ARCHIVE = "tinsmith-archive-v1"
 _SIGNING_KEY = ".tinsmith/url-signing-key"
 _PRESIGNING = ("s3", "s3a", "gs", "gcs")
 _CHUNK = 1024 * 1024
@@ -58,6 +63,21 @@ class SignedDownload:
     key: str  # the artifact's key (the checkpoint's blob key)
     name: str  # the file's name in the artifact
     tenant: str
+
+
+@dataclass(frozen=True)
+class SignedArchive:
+    """What a valid signed archive URL names: an artifact, and the tenant it was signed for."""
+
+    key: str
+    tenant: str
+
+
+@dataclass(frozen=True)
+class ArtifactFile:
+    name: str
+    size_bytes: int
+    modified: float  # seconds since the epoch
 
 
 @dataclass(frozen=True)
@@ -190,15 +210,26 @@ class BlobStore:
         return await asyncio.to_thread(self._files, key)
 
     def _files(self, key: str) -> dict[str, int]:
+        return {file.name: file.size_bytes for file in self._listing(key)}
+
+    async def listing(self, key: str) -> list[ArtifactFile]:
+        """The files of the sealed artifact at ``key``, by name, with their sizes and times."""
+        return await asyncio.to_thread(self._listing, key)
+
+    def _listing(self, key: str) -> list[ArtifactFile]:
         source = self._path(key)
         if not self.fs.exists(f"{source}/{_SEALED}"):
             raise FileNotFoundError(f"no complete artifact at {key!r} in {self.url}")
-        found = {}
+        found = []
         for entry in self.fs.ls(source, detail=True):
             name = str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]
             if entry.get("type") == "file" and name != _SEALED:
-                found[name] = int(entry.get("size") or 0)
-        return found
+                found.append(ArtifactFile(name, int(entry.get("size") or 0), _modified(entry)))
+        return sorted(found, key=lambda file: file.name)
+
+    def file_path(self, key: str, name: str) -> str:
+        """Where one file of an artifact is in the store (read it with ``read_chunks``)."""
+        return f"{self._path(key)}/{check_key(name)}"
 
     async def artifacts(self, prefix: str, depth: int) -> list[ArtifactInfo]:
         """Every artifact directory ``depth`` components deep whose key starts with ``prefix``,
@@ -251,19 +282,37 @@ class BlobStore:
         with self.fs.open(path, "rb") as key:
             return bytes(key.read())
 
-    def _signature(self, path: str, expires: int, tenant: str) -> str:
+    def _signature(self, kind: str, path: str, expires: int, tenant: str) -> str:
         # No part can hold a newline (a key and a tenant are printable), so the message is
         # unambiguous.
-        message = f"{_SIGNED}\n{path}\n{expires}\n{tenant}".encode()
+        message = f"{kind}\n{path}\n{expires}\n{tenant}".encode()
         return hmac.new(self._signing_key(), message, hashlib.sha256).hexdigest()
+
+    def _signed_query(self, kind: str, path: str, expires: int, tenant: str) -> str:
+        signature = self._signature(kind, path, expires, _check_tenant(tenant))
+        query = urlencode({"expires": expires, "tenant": tenant, "signature": signature})
+        return f"{quote(path)}?{query}"
+
+    def _verify(
+        self, kind: str, path: str, expires: str, signature: str, tenant: str, renew: str
+    ) -> None:
+        """Raise InvalidRequest unless ``signature`` signs ``path``, ``expires`` and ``tenant``
+        as ``kind`` and ``expires`` has not passed (``renew`` says how to get a new URL)."""
+        _check_tenant(tenant)
+        try:
+            deadline = int(expires)
+        except ValueError:
+            raise InvalidRequest("the download URL's 'expires' is not a number") from None
+        if deadline < time.time():
+            raise InvalidRequest(f"the download URL has expired; {renew}")
+        expected = self._signature(kind, path, deadline, tenant).encode()
+        if not hmac.compare_digest(expected, signature.encode("utf-8", "replace")):
+            raise InvalidRequest("the download URL's signature is not valid")
 
     def signed_query(self, key: str, name: str, *, expires: int, tenant: str) -> str:
         """The path and query of a gateway download URL for one file, bound to ``tenant``:
         ``<key>/<name>?expires=<expires>&tenant=<tenant>&signature=<hex>``."""
-        path = f"{check_key(key)}/{check_key(name)}"
-        signature = self._signature(path, expires, _check_tenant(tenant))
-        query = urlencode({"expires": expires, "tenant": tenant, "signature": signature})
-        return f"{quote(path)}?{query}"
+        return self._signed_query(_SIGNED, f"{check_key(key)}/{check_key(name)}", expires, tenant)
 
     def verify(self, path: str, *, expires: str, signature: str, tenant: str) -> SignedDownload:
         """Check a gateway download URL (its path after ``/api/v1/blobs/``, and its ``expires``,
@@ -273,22 +322,27 @@ class BlobStore:
         check_key(path)
         if "/" not in path:
             raise InvalidRequest("the download URL names no file of an artifact")
-        _check_tenant(tenant)
-        try:
-            deadline = int(expires)
-        except ValueError:
-            raise InvalidRequest("the download URL's 'expires' is not a number") from None
-        if deadline < time.time():
-            raise InvalidRequest(
-                "the download URL has expired; ask for new ones with get_external_weights_urls"
-            )
-        expected = self._signature(path, deadline, tenant).encode()
-        if not hmac.compare_digest(expected, signature.encode("utf-8", "replace")):
-            raise InvalidRequest("the download URL's signature is not valid")
+        renew = "ask for new ones with get_external_weights_urls"
+        self._verify(_SIGNED, path, expires, signature, tenant, renew)
         key, name = path.rsplit("/", 1)
         return SignedDownload(store_path=f"{self.root}/{path}", key=key, name=name, tenant=tenant)
 
-    def read_chunks(self, store_path: str) -> Iterator[bytes]:
+    def signed_archive_query(self, key: str, *, expires: int, tenant: str) -> str:
+        """The path and query of a gateway URL for the whole artifact at ``key`` as a tar
+        archive, bound to ``tenant``: ``<key>?expires=<expires>&tenant=<tenant>&signature=<hex>``.
+        """
+        return self._signed_query(_SIGNED_ARCHIVE, check_key(key), expires, tenant)
+
+    def verify_archive(
+        self, key: str, *, expires: str, signature: str, tenant: str
+    ) -> SignedArchive:
+        """Check a gateway archive URL (its path after ``/api/v1/archives/``, and its
+        parameters) as ``verify`` checks a file's; a file's URL is not an archive's."""
+        renew = "ask for a new one with get_checkpoint_archive_url"
+        self._verify(_SIGNED_ARCHIVE, check_key(key), expires, signature, tenant, renew)
+        return SignedArchive(key=key, tenant=tenant)
+
+    def read_chunks(self, store_path: str) -> Generator[bytes, None, None]:
         """The bytes of one file, in chunks (blocking: run it off the event loop)."""
         with self.fs.open(store_path, "rb") as source:
             while chunk := source.read(_CHUNK):

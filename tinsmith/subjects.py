@@ -60,6 +60,7 @@ CATALOG_OPS = (
     "publish_checkpoint",
     "set_checkpoint_ttl",
     "external_weights_urls",
+    "checkpoint_archive_url",
     "storage_usage",
     "gc",
     "run_metrics",

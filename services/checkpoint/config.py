@@ -18,7 +18,8 @@ class CheckpointConfig:
     # every gc_interval_s.
     gc_grace_s: float = 3600.0
     gc_interval_s: float = 6 * 3600.0
-    # How long the download URLs of get_external_weights_urls stay valid.
+    # How long the download URLs of get_external_weights_urls (and of checkpoint archives and
+    # session traces) stay valid.
     url_ttl_s: int = 3600
     # The event log's retention (services/checkpoint/retention.py): "keep" keeps every event
     # (the default: a version whose projections differ can start only from the whole log);

@@ -21,9 +21,10 @@ Who may see or change what (``CatalogQuery.owner`` is the calling tenant):
   exist gets: a 404, never a 403, so existence is not revealed. That holds for every operation
   on a run, a checkpoint or a session.
 - A published checkpoint (of a run that has a tenant) is the one exception: every tenant may
-  read it (``weights_info``, ``external_weights_urls``), and ``access_scope=accessible`` lists
-  its run (``training_runs``, ``training_run``, ``checkpoints``); only its owner may change it
-  (delete, publish, unpublish, TTL: NotFound for anyone else).
+  read it (``weights_info``, ``external_weights_urls``, ``checkpoint_archive_url``), and
+  ``access_scope=accessible`` lists its run (``training_runs``, ``training_run``,
+  ``checkpoints``); only its owner may change it (delete, publish, unpublish, TTL: NotFound for
+  anyone else).
 - ``storage_usage`` is the caller's own; an admin (``CatalogQuery.admin``) gets every tenant's,
   a row per tenant and project.
 - Download URLs that the gateway serves are signed for the calling tenant (tinsmith/blobs.py);
@@ -112,6 +113,7 @@ class Catalog:
             "publish_checkpoint": self.publish_checkpoint,
             "set_checkpoint_ttl": self.set_checkpoint_ttl,
             "external_weights_urls": self.external_weights_urls,
+            "checkpoint_archive_url": self.checkpoint_archive_url,
             "storage_usage": self.storage_usage,
             "gc": self.gc,
             "run_metrics": self.progress.run_metrics,
@@ -257,6 +259,19 @@ class Catalog:
                 for name in sorted(files)
             }
         return {"urls": urls, "expires": access.iso(expires)}
+
+    async def checkpoint_archive_url(self, query: bus.CatalogQuery) -> JsonDict:
+        """The URL of the checkpoint as one tar archive (``get_checkpoint_archive_url`` of tinker
+        0.34.0 and before): the gateway streams it from the store, whichever store it is, so the
+        URL is always the gateway's, signed for the calling tenant."""
+        row = await self._checkpoint(query, mine=False)
+        if not await self.blobs.exists(row.blob_key):
+            raise NotFound(f"the files of {row.tinker_path} are no longer in storage")
+        if not query.base_url:
+            raise InvalidRequest("an archive's URL needs the gateway's base URL")
+        expires = int(time.time()) + self.url_ttl_s
+        signed = self.blobs.signed_archive_query(row.blob_key, expires=expires, tenant=query.owner)
+        return {"url": f"{query.base_url}/api/v1/archives/{signed}", "expires": access.iso(expires)}
 
     # -- changes -------------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ class GatewayConfig:
     # Sample requests accepted but not yet answered, across all samplers, beyond which asample
     # answers 429 (the SDK backs off and resubmits).
     sampler_queue_limit: int = 4096
-    # The object store, only to serve the signed download URLs of stores that cannot presign
-    # their own (file://); empty: no downloads through the gateway.
+    # The object store, to serve the signed download URLs of stores that cannot presign their
+    # own (file://) and the checkpoint archives of tinker 0.34.0 and before (every store); empty:
+    # no downloads through the gateway.
     blob_url: str = ""
     # The gRPC face (grpc_face.py): its port, and the largest message it takes or sends. A
     # request becomes one NATS message (8 MiB at most, with its envelope), hence 7 MiB.

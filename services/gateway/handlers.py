@@ -262,11 +262,12 @@ class Gateway:
             await self.projection.wait_until(settled, timeout_s)
         return self.state.requests[request_id]
 
-    async def check_download(self, tenant_name: str, blob_key: str) -> None:
+    async def check_download(self, tenant_name: str, blob_key: str) -> str:
         """Refuse (404) a signed download whose tenant may no longer read the checkpoint it
-        names: deleted, or neither the tenant's nor published."""
+        names: deleted, or neither the tenant's nor published. Answers what it names (the
+        checkpoint's tinker:// path, or a trace's session id)."""
         tenant = Tenant(name=tenant_name, quotas=self.config.quotas)
-        await self.decide(tenant, ops.downloadable, blob_key)
+        return await self.decide(tenant, ops.downloadable, blob_key)
 
     # -- refusals of what could not be read ----------------------------------------------------
 

@@ -126,7 +126,7 @@ def api_key(request: web.Request) -> str | None:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
-_KEYLESS = {API + "/healthz", API + "/blobs/{path}"}
+_KEYLESS = {API + "/healthz", API + "/blobs/{path}", API + "/archives/{path}"}
 
 
 def build_app(gateway: Gateway, rest: Rest | None = None) -> web.Application:

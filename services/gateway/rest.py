@@ -1,7 +1,8 @@
 """The Tinker REST API (what ``tinker.RestClient``, ``AdminClient`` and the ``tinker`` command
 line call): training runs, checkpoints and copies of them, sessions, their projects and search,
-storage and billing usage, the audit log, and the downloads of signed URLs for stores that
-cannot presign their own (file://). docs/sdk-methods.md lists every SDK method and its route.
+storage and billing usage, the audit log, the downloads of signed URLs for stores that
+cannot presign their own (file://), and checkpoints as tar archives (for tinker 0.34.0 and
+before: archives.py). docs/sdk-methods.md lists every SDK method and its route.
 
 Owns: the routes and their parameters, and relaying each call to the checkpoint service's
 catalog over NATS as the calling tenant asks it. Does not own the answers: the catalog
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 from datetime import datetime
@@ -27,10 +29,12 @@ from tinsmith.failures import InvalidRequest, NotFound, TooLarge, from_kind
 from tinsmith.limits import INT32_MAX, INT64_MAX
 from tinsmith.tenants import Tenant
 
+from . import archives, wire
 from . import operations as ops
-from . import wire
 from .config import GatewayConfig
 from .handlers import Gateway
+
+log = logging.getLogger(__name__)
 
 API = "/api/v1"
 _CHECKPOINT = API + "/training_runs/{run}/checkpoints/{segment}/{name}"
@@ -39,6 +43,10 @@ _CHECKPOINT = API + "/training_runs/{run}/checkpoints/{segment}/{name}"
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{{1,5}})?")
 _EVERY_INTERFACE = ("", "0.0.0.0", "::")
+_NO_STORE = (
+    "this gateway serves no downloads: it has no TINSMITH_BLOB_URL (its operator sets it to the "
+    "object store the other services use)"
+)
 
 
 def tenant_of(request: web.Request) -> Tenant:
@@ -72,6 +80,7 @@ class Rest:
         add("DELETE", _CHECKPOINT + "/publish", self.unpublish)
         add("PUT", _CHECKPOINT + "/ttl", self.set_ttl)
         get(_CHECKPOINT + "/external_weights_urls", self.external_weights_urls)
+        get(_CHECKPOINT + "/archive", self.archive_url)
         add("POST", API + "/weights_info", self.weights_info)
         get(API + "/sessions", self.sessions)
         get(API + "/sessions/{session}", self.session)
@@ -90,6 +99,7 @@ class Rest:
         get(API + "/sessions/{session}/trace_export", self.trace_export)
         get(API + "/engines", self.engines)
         get(API + "/blobs/{path:.+}", self.download)
+        get(API + "/archives/{path:.+}", self.archive)
 
     async def ask(self, op: str, tenant: Tenant, **fields: Any) -> bytes:
         """Relay one operation to the catalog (for HTTP and gRPC alike) as ``tenant`` asks it:
@@ -178,6 +188,20 @@ class Rest:
             "external_weights_urls",
             request,
             tinker_path=_path(request),
+            base_url=download_base(self.config, request.host),
+        )
+
+    async def archive_url(self, request: web.Request) -> web.Response:
+        """``get_checkpoint_archive_url`` (tinker 0.34.0 and before): ``{"url", "expires"}``, a
+        URL of this gateway's that downloads the checkpoint as one tar archive, signed for the
+        caller (JSON: those SDKs take it as well as a redirect to the URL)."""
+        tinker_path = _path(request)
+        if self.blobs is None:
+            raise NotFound(_NO_STORE)
+        return await self._ask(
+            "checkpoint_archive_url",
+            request,
+            tinker_path=tinker_path,
             base_url=download_base(self.config, request.host),
         )
 
@@ -364,7 +388,7 @@ class Rest:
         key-less, but bound by its signature to the tenant it was signed for, who must still be
         allowed to read the checkpoint (its own, or published), and expiring."""
         if self.blobs is None:
-            raise NotFound("this gateway serves no downloads: it has no TINSMITH_BLOB_URL")
+            raise NotFound(_NO_STORE)
         signed = self.blobs.verify(
             request.match_info["path"],
             expires=request.query.get("expires", ""),
@@ -383,6 +407,46 @@ class Rest:
         except FileNotFoundError:
             raise NotFound("the file is no longer in storage") from None
         return web.Response(body=data, content_type="application/octet-stream")
+
+    async def archive(self, request: web.Request) -> web.StreamResponse:
+        """A checkpoint as one tar archive (archives.py), for a URL the catalog signed
+        (``archive_url``): key-less like ``download`` and checked the same way, from any store
+        (even one that presigns its own URLs: an archive is no object in it), streamed as it is
+        read."""
+        if self.blobs is None:
+            raise NotFound(_NO_STORE)
+        signed = self.blobs.verify_archive(
+            request.match_info["path"],
+            expires=request.query.get("expires", ""),
+            signature=request.query.get("signature", ""),
+            tenant=request.query.get("tenant", ""),
+        )
+        tinker_path = await self.gateway.check_download(signed.tenant, signed.key)
+        archive = await archives.Archive.of(self.blobs, signed.key)
+        name = tinker_path.removeprefix(artifacts.SCHEME).replace("/", "_")
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": archives.MEDIA_TYPE,
+                "Content-Disposition": f'attachment; filename="{name}.tar"',
+            }
+        )
+        response.content_length = archive.size
+        await response.prepare(request)
+        if request.method == "HEAD":  # its headers alone (aiohttp would send what is written)
+            await response.write_eof()
+            return response
+        try:
+            async for chunk in archive.chunks():
+                await response.write(chunk)
+        except (archives.ArchiveCutOff, ConnectionError) as cut:
+            # The answer has begun, so no error can be answered: the connection ends short of
+            # its Content-Length, which the client sees as an incomplete download.
+            log.warning("the archive of %s was cut off: %s", tinker_path, cut)
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        await response.write_eof()
+        return response
 
 
 def download_base(config: GatewayConfig, host_header: str) -> str:

@@ -152,6 +152,11 @@ OPERATIONS: list[tuple[str, dict[str, Any], bool]] = [
         {"tinker_path": at(RUN_A, "external_weights/export"), "base_url": BASE_URL},
         False,
     ),
+    (
+        "checkpoint_archive_url",
+        {"tinker_path": at(RUN_A, "weights/private"), "base_url": BASE_URL},
+        False,
+    ),
     ("delete_checkpoint", {"tinker_path": at(RUN_A, "weights/private")}, True),
     ("delete_checkpoint", {"tinker_path": SHARED}, True),
     ("publish_checkpoint", {"tinker_path": at(RUN_A, "weights/private"), "public": True}, True),
@@ -419,3 +424,26 @@ async def test_download_urls_are_signed_for_the_calling_tenant(
     # The tenant cannot be changed: bob's name in alice's URL breaks its signature.
     with pytest.raises(InvalidRequest, match="signature"):
         _tenant_of(blobs, url.replace(f"tenant={ALICE}", f"tenant={BOB}"))
+
+
+async def test_archive_urls_are_signed_for_the_calling_tenant_and_are_no_file_urls(
+    service: Service, blobs: BlobStore
+) -> None:
+    answer = await call(
+        service, "checkpoint_archive_url", owner=BOB, tinker_path=SHARED, base_url=BASE_URL
+    )
+    assert answer.kind == "", answer
+    url = answer.body["url"]
+    prefix = f"{BASE_URL}/api/v1/archives/"
+    assert url.startswith(prefix)
+    path, _, query = url.removeprefix(prefix).partition("?")
+    params = dict(parse_qsl(query))
+    assert unquote(path) == key(RUN_P, "weights/shared")
+    assert int(params["expires"]) == int(_time(answer.body["expires"]))
+    fields = {"expires": params["expires"], "signature": params["signature"]}
+    verified = blobs.verify_archive(unquote(path), tenant=params["tenant"], **fields)
+    assert (verified.key, verified.tenant) == (key(RUN_P, "weights/shared"), BOB)
+    with pytest.raises(InvalidRequest, match="signature"):
+        blobs.verify_archive(unquote(path), tenant=ALICE, **fields)
+    with pytest.raises(InvalidRequest, match="signature"):  # not a URL of one of its files
+        blobs.verify(unquote(path), tenant=BOB, **fields)

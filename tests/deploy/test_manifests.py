@@ -323,12 +323,13 @@ def test_prod_runs_the_vllm_sampler_on_gpus_scaled_by_load() -> None:
     assert not [o for o in objects if o["kind"] == "Secret"]
     names = {o["metadata"]["name"] for o in objects}
     assert not {"postgres", "object-store"} & names
-    env = {
-        e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
-        for e in services["trainer"]["env"]
-        if "secretKeyRef" in e["valueFrom"]
-    }
-    assert env == {"TINSMITH_BLOB_URL": "tinsmith-object-store"}
+    for name in ("trainer", "gateway"):  # the gateway streams checkpoint archives from it
+        env = {
+            e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+            for e in services[name]["env"]
+            if "secretKeyRef" in e["valueFrom"]
+        }
+        assert env == {"TINSMITH_BLOB_URL": "tinsmith-object-store"}, name
 
 
 def test_the_gpu_component_gives_the_engines_a_gpu_and_computes_on_it() -> None:

@@ -5,13 +5,16 @@ downloaded through presigned URLs with a plain GET, and deleted from the bucket.
 from __future__ import annotations
 
 import asyncio
+import io
 import subprocess
 import sys
+import tarfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import tinker
 from tinker import types
@@ -127,6 +130,30 @@ def test_checkpoints_live_in_s3_and_download_through_presigned_urls(
                 response.read()
                 == files[f"tinsmith/runs/{training.model_id}/external_weights/s3-export/{name}"]
             )
+
+    # The archive of tinker 0.34.0 and before: streamed by the gateway from the bucket, its
+    # members the objects of the checkpoint, and the marker the old CLI looks for.
+    archive = httpx.get(
+        f"{system_on_s3.url}/api/v1/training_runs/{training.model_id}/checkpoints/weights/"
+        "s3-state/archive",
+        headers={"X-API-Key": "tml-s3"},
+    )
+    assert archive.status_code == 200, archive.text
+    url = archive.json()["url"]
+    assert url.startswith(f"{system_on_s3.url}/api/v1/archives/")  # no object: the gateway's
+    with urllib.request.urlopen(url) as response:
+        data = response.read()
+    members = {}
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        for member in tar.getmembers():
+            extracted = tar.extractfile(member)
+            assert member.isreg() and extracted is not None, member
+            members[member.name] = extracted.read()
+    prefix = f"tinsmith/runs/{training.model_id}/weights/s3-state/"
+    assert members == {
+        **{k.removeprefix(prefix): v for k, v in stored.items() if not k.endswith("/.complete")},
+        "checkpoint_complete": b"",
+    }
 
     listed = rest.list_checkpoints(training.model_id).result().checkpoints
     assert {c.tinker_path for c in listed} == {state, export}
