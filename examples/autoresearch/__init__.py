@@ -26,7 +26,7 @@ learning)::
     TINKER_API_KEY=tml-anything python -m examples.autoresearch --url http://127.0.0.1:8000 \\
         --runs 8 --rung-steps 3 --batch 8 --admin-key "$ADMIN_KEY"
 
-Modules: ``sweep`` (the runs, their training, scoring and halving), ``rest`` (the two tinsmith
-REST routes beside the SDK), ``report`` (the table and the plot), ``__main__`` (the command line
-and the private tinsmith).
+Modules: ``sweep`` (the runs, their training, scoring and halving), ``report`` (the table and
+the plot), ``__main__`` (the command line and the private tinsmith); the two tinsmith REST routes
+beside the SDK are ``examples.rest``, which ``examples.text_to_sql`` uses too.
 """

@@ -3,8 +3,8 @@
 Owns: which configurations run (``grid``), how many steps each rung trains (``rung_schedule``),
 one run's training steps and held-out scores (``Attempt``), and the successive halving that
 drives them all at once (``run_sweep``). Does not own: the pig-latin task, its data and chat
-format (``examples.sft_pig_latin``), the REST routes (``rest``), or what is printed and drawn at
-the end (``report``).
+format (``examples.sft_pig_latin``), the REST routes (``examples.rest``), or what is printed and
+drawn at the end (``report``).
 
 Every run sees the same examples in the same order and starts from the same LoRA seed, so the
 runs differ only by their hyperparameters. The learning rate is constant within a run: how long
@@ -27,7 +27,7 @@ import tinker
 from tinker import types
 from tqdm import tqdm
 
-from examples.autoresearch.rest import NoBusyShare, Rest
+from examples.rest import NoBusyShare, Rest
 from examples.sft_pig_latin import HELD_OUT, SEEN, ChatFormat, ask, grade, training_texts
 
 # The loss variants and the Tinker loss each runs as. "prob" maximizes each answer token's

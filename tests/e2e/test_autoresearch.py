@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from examples.autoresearch.__main__ import issue_admin_key, main
-from examples.autoresearch.rest import NoBusyShare, Rest
+from examples.rest import NoBusyShare, Rest
 from tests.conftest import RunningSystem
 
 pytestmark = pytest.mark.e2e

@@ -1,10 +1,12 @@
-"""The two tinsmith REST routes the sweep uses beside the SDK.
+"""The two tinsmith REST routes the examples use beside the SDK (``examples.autoresearch``,
+``examples.text_to_sql``).
 
-Owns: reporting a run's held-out scores at a step (``POST /api/v1/training_runs/{id}/metrics``,
-the run owner's key) and the engines' busy share over a span of time (``GET /api/v1/engines``,
-an admin key), computed from the duty cycle each engine reports every few seconds. Neither is
-part of the Tinker API: against a server without them (Tinker itself) the sweep still runs, with
-a line saying what it could not do. Does not own: anything the SDK does.
+Owns: reporting a run's own scores at a step (``POST /api/v1/training_runs/{id}/metrics``, the
+run owner's key), which the console draws as curves beside the trainer's, and the engines' busy
+share over a span of time (``GET /api/v1/engines``, an admin key), computed from the duty cycle
+each engine reports every few seconds. Neither is part of the Tinker API: against a server
+without them (Tinker itself) the examples still run, with a line saying what they could not do.
+Does not own: anything the SDK does.
 """
 
 from __future__ import annotations
@@ -67,11 +69,11 @@ class Rest:
             if response.status == 200:
                 return
             detail = await _detail(response)
-        if response.status in (404, 405):  # not tinsmith: the sweep goes on without it
+        if response.status in (404, 405):  # not tinsmith: the example goes on without it
             self.reporting = False
             print(
                 f"this server keeps no client metrics ({response.status}: {detail}); the"
-                " held-out scores are only in this program's output",
+                " scores are only in this program's output",
                 file=sys.stderr,
             )
             return
@@ -100,7 +102,7 @@ class Rest:
                     name += f" {engine['replica']}"
                 shares[name] = share
         if not shares:
-            raise NoBusyShare("no engine reported its duty cycle during the sweep")
+            raise NoBusyShare("no engine reported its duty cycle in that time")
         return shares
 
     async def _engines(self, admin_key: str) -> list[dict[str, Any]]:
