@@ -178,6 +178,15 @@ def get(name: str) -> ModelSpec:
     return _checked_local_spec(name, location)
 
 
+def eos_ids_of(config: dict[str, Any]) -> frozenset[int]:
+    """The end-of-sequence token ids a model's ``config.json`` names (one id, a list, or none):
+    where the sampler stops, and what the OpenAI routes cut from a choice's text."""
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        return frozenset(int(e) for e in eos)
+    return frozenset() if eos is None else frozenset([int(eos)])
+
+
 def tokenizer_id(name: str) -> str:
     """What ``get_info`` reports as the ``tokenizer_id`` of a model the server accepted under
     ``name``: the name itself, as the client knows it, never a directory of the server. A client

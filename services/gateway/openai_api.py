@@ -45,6 +45,7 @@ from aiohttp import web
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -62,6 +63,7 @@ from .text import (
     TextSampling,
     model_file,
     tokenizer_config_of,
+    tokenizer_of,
 )
 
 log = logging.getLogger(__name__)
@@ -279,14 +281,15 @@ class OpenAiFace:
         if options is not None and (not stream or not isinstance(options, dict)):
             raise InvalidRequest("'stream_options' is an object, and only for 'stream': true")
         include_usage = bool(options) and _flag(options or {}, "include_usage")
-        eos = [target.tokenizer.decode([e], skip_special_tokens=False) for e in _eos_ids(target)]
         return _Call(
             chat=chat,
             model=str(body["model"]),
             target=target,
             prompts=prompts,
             command=command,
-            stops=tuple(dict.fromkeys(s for s in (*user_stops, *stops, *eos) if s)),
+            stops=tuple(
+                dict.fromkeys(s for s in (*user_stops, *stops, *_eos_texts(target.spec.name)) if s)
+            ),
             logprobs=logprobs,
             stream=stream,
             include_usage=include_usage,
@@ -750,18 +753,12 @@ def _special(config: dict[str, Any], key: str) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _eos_ids(target: Target) -> list[int]:
-    """The model's end-of-sequence ids (the sampler stops at them): decoded, they are cut
-    from a choice's text like a stop string."""
-    config = json.loads(_config_json(target.spec.name))
-    eos = config.get("eos_token_id")
-    ids = eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-    return [i for i in ids if isinstance(i, int)]
-
-
 @functools.lru_cache(maxsize=16)
-def _config_json(base_model: str) -> bytes:
-    return model_file(base_model, "config.json")
+def _eos_texts(base_model: str) -> tuple[str, ...]:
+    """The model's end-of-sequence tokens as text (the sampler stops at them): cut from a
+    choice's text like a stop string."""
+    ids = models.eos_ids_of(json.loads(model_file(base_model, "config.json")))
+    return tuple(tokenizer_of(base_model).decode([i], skip_special_tokens=False) for i in ids)
 
 
 def _max_tokens(body: dict[str, Any], chat: bool, target: Target, prompts: list[list[int]]) -> int:

@@ -236,14 +236,6 @@ def check_command(command: bus.Sample, vocab_size: int) -> None:
             raise InvalidRequest(f"{field} must be between 0 and {MAX_TOPK_LOGPROBS}")
 
 
-def eos_ids_of(config: Mapping[str, object]) -> frozenset[int]:
-    """The end-of-sequence token ids a model's ``config.json`` names (one id, a list, or none)."""
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        return frozenset(int(e) for e in eos)
-    return frozenset() if eos is None else frozenset([int(eos)])  # type: ignore[call-overload]
-
-
 def evictions(
     sizes: Mapping[str, int], bound: int, keep: Collection[str], loaded: str
 ) -> list[str]:

@@ -105,7 +105,6 @@ from .engine import (
     alt_tokens_message,
     check_command,
     empty_topk,
-    eos_ids_of,
     evictions,
     prompt_window,
     stop_rule,
@@ -281,7 +280,7 @@ class TorchEngine:
                     f"{str(exc).splitlines()[0]}"
                 ) from None
             config = json.loads((directory / "config.json").read_text())
-            eos_ids = eos_ids_of(config)
+            eos_ids = models.eos_ids_of(config)
             tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
             embeddings = model.get_input_embeddings()
             assert isinstance(embeddings, torch.nn.Embedding)

@@ -67,7 +67,6 @@ from .engine import (
     Delta,
     check_command,
     empty_topk,
-    eos_ids_of,
     evictions,
     prompt_window,
     stop_rule,
@@ -179,7 +178,7 @@ class VllmEngine:
             args.gpu_memory_utilization = self.memory_fraction
         engine = LLMEngine.from_engine_args(args)
         config = json.loads((directory / "config.json").read_text())
-        eos_ids = eos_ids_of(config)
+        eos_ids = models.eos_ids_of(config)
         scores_ids = bool(engine.vllm_config.use_v2_model_runner)
         identity = None if on_gpu else self._identity_adapter(engine, directory, config)
         base = _Base(spec.name, engine, eos_ids, spec.vocab_size, scores_ids, identity)
