@@ -29,7 +29,7 @@ from pathlib import Path
 from aiohttp import web
 from nats.errors import Error as NatsError
 
-from tinsmith import health, models, subjects, telemetry
+from tinsmith import health, host_allocator, models, subjects, telemetry
 from tinsmith.bus import Bus
 from tinsmith.compute import ComputeThread
 from tinsmith.failures import TinsmithError
@@ -125,8 +125,13 @@ TINSMITH_LOG_FORMAT (json or text), the standard OTEL_* variables for traces and
 service's own TINSMITH_* variables (README.md, docs/deploy.md). Stop with SIGINT or SIGTERM."""
 
 
-def run(name: str, start: Start, description: str | None = None) -> None:
+def run(
+    name: str, start: Start, description: str | None = None, *, computes: bool = False
+) -> None:
     """Run service ``name`` until a signal: ``start(bus)`` sets it up and may return a cleanup.
+    A service that ``computes`` (the trainer, the sampler) first sets the host allocator for
+    its tensors (``host_allocator.tune``), before any thread of its own exists, and states it
+    in its log and readiness facts.
 
     The command line takes no arguments; ``--help`` prints what the service is and how it is
     configured, and exits without connecting to anything."""
@@ -137,7 +142,11 @@ def run(name: str, start: Start, description: str | None = None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.parse_args()
+    allocator = host_allocator.tune() if computes else None
     telemetry.configure_logging(name)
+    if allocator is not None:
+        log.info("%s: host memory through %s", name, allocator)
+        health.state_fact("host allocator", allocator)
     telemetry.setup(name, instance=f"{socket.gethostname()}:{os.getpid()}")
     loop = asyncio.new_event_loop()
     try:

@@ -42,4 +42,4 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
 
 
 if __name__ == "__main__":
-    runtime.run("sampler", start, __doc__)
+    runtime.run("sampler", start, __doc__, computes=True)

@@ -47,4 +47,4 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
 
 
 if __name__ == "__main__":
-    runtime.run("trainer", start, __doc__)
+    runtime.run("trainer", start, __doc__, computes=True)
