@@ -125,9 +125,7 @@ TINSMITH_LOG_FORMAT (json or text), the standard OTEL_* variables for traces and
 service's own TINSMITH_* variables (README.md, docs/deploy.md). Stop with SIGINT or SIGTERM."""
 
 
-def run(
-    name: str, start: Start, description: str | None = None, *, computes: bool = False
-) -> None:
+def run(name: str, start: Start, description: str | None = None, *, computes: bool = False) -> None:
     """Run service ``name`` until a signal: ``start(bus)`` sets it up and may return a cleanup.
     A service that ``computes`` (the trainer, the sampler) first sets the host allocator for
     its tensors (``host_allocator.tune``), before any thread of its own exists, and states it
