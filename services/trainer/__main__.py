@@ -35,7 +35,9 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
         raise SystemExit(f"trainer: {exc}") from None
     health.state_fact("device", placement.describe())
     log.info("the trainer computes on %s", placement.describe())
-    engine = TrainerEngine(config.cache_dir, config.torch_threads, placement)
+    engine = TrainerEngine(
+        config.cache_dir, config.torch_threads, placement, pass_tokens=config.pass_tokens
+    )
     trainer = Trainer(bus, engine, BlobStore(config.blob_url), config)
     # Its projection starts from the newest snapshot and writes its own
     # (TINSMITH_PROJECTION_SNAPSHOT_EVENTS, TINSMITH_PROJECTION_SNAPSHOT_S); a snapshot keeps

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinsmith import models, runtime
+from tinsmith.limits import count_from_env
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class TrainerConfig:
     # The most tokens of a request that is fused with others: a larger one runs alone, as
     # fusing stops paying past about this size on the CPU (bench/fused_training.py).
     fuse_request_tokens: int = 128
+    # What one more forward_backward pass costs, in padded tokens: a batch of mixed lengths is
+    # cut into passes of similar lengths where that saves more padding (grouping.py). None: the
+    # device's default (engine.default_pass_tokens).
+    pass_tokens: int | None = None
 
     @classmethod
     def from_env(cls) -> TrainerConfig:
@@ -51,4 +56,5 @@ class TrainerConfig:
             fuse_request_tokens=int(
                 os.environ.get("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS", cls.fuse_request_tokens)
             ),
+            pass_tokens=count_from_env("TINSMITH_TRAINER_PASS_TOKENS"),
         )

@@ -76,7 +76,7 @@ from tinsmith.limits import mib
 from tinsmith.losses import config_of
 from tinsmith.tensors import batched, decode_tensor, model_input_tokens
 
-from . import losses
+from . import grouping, losses
 
 _T = TypeVar("_T")
 
@@ -107,6 +107,14 @@ class OutOfBudget(Unprocessable):
     def __init__(self, detail: str, short: int) -> None:
         super().__init__(detail)
         self.short = short
+
+
+def default_pass_tokens(device: torch.device) -> int:
+    """The fixed cost of a forward_backward pass in tokens' worth of compute: 64 on the CPU
+    (measured there: about 60 for tinsmith/small, 45 for SmolLM2-135M, ``bench/mixed_lengths.py``);
+    1024 on an accelerator, where a pass's launches cost more against its tokens (an estimate:
+    no GPU was available to measure it). ``TINSMITH_TRAINER_PASS_TOKENS`` overrides it."""
+    return 64 if device.type == "cpu" else 1024
 
 
 @dataclass(frozen=True)
@@ -161,16 +169,22 @@ class TrainerEngine:
         placement: Placement | None = None,
         *,
         head_chunk_bytes: int = HEAD_CHUNK_BYTES,
+        pass_tokens: int | None = None,
     ) -> None:
         """``placement``: where and in what precision to compute, and the memory budget there
         (the service passes ``placement_from_env()``); by default the CPU in float32, with the
-        machine's memory, as the tests and tools use it."""
+        machine's memory, as the tests and tools use it. ``pass_tokens``: what one more pass
+        costs, in padded tokens, when a batch of mixed lengths is cut into passes of similar
+        lengths (``grouping.by_length``); by default ``default_pass_tokens`` of the device."""
         self.cache_dir = cache_dir
         self.threads = threads
         self.placement = placement or Placement(
             torch.device("cpu"), torch.float32, devices.total_memory(torch.device("cpu"))
         )
         self.head_chunk_bytes = head_chunk_bytes
+        self.pass_tokens = (
+            default_pass_tokens(self.placement.device) if pass_tokens is None else pass_tokens
+        )
         self.bases: dict[str, _Base] = {}
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Run] = {}
@@ -230,27 +244,42 @@ class TrainerEngine:
 
     def plan(self, model_id: str, lengths: Sequence[int], *, backward: bool) -> list[Pass]:
         """How a forward (``backward=False``) or forward_backward over datums of ``lengths``
-        tokens runs within what is free of the budget: one pass if it fits; else consecutive
-        micro-batches of datums, each as large as fits, and a datum that does not fit alone with
-        activation checkpointing. ``OutOfBudget`` if a datum does not fit even so."""
+        tokens runs: in groups of similar lengths where that saves more padding than the passes
+        cost (``grouping.by_length`` with ``pass_tokens``; one group for most batches), and
+        each group within what is free of the budget: one pass if it fits; else consecutive
+        micro-batches of its datums, each as large as fits, and a datum that does not fit alone
+        with activation checkpointing. ``OutOfBudget`` if a datum does not fit even so."""
         run = self.runs[model_id]
-        base = run.base_model
         free = self.free_bytes() - (
             _STEP_COPIES * run.state_bytes // _RUN_COPIES if backward else 0
         )
+        passes: list[Pass] = []
+        for group in grouping.by_length(lengths, self.pass_tokens):
+            passes += self._fitted(run.base_model, lengths, group, free, backward=backward)
+        return passes
 
-        def fits(datums: Sequence[int], checkpointed: bool = False) -> bool:
+    def _fitted(
+        self,
+        base: str,
+        lengths: Sequence[int],
+        datums: tuple[int, ...],
+        free: int,
+        *,
+        backward: bool,
+    ) -> list[Pass]:
+        """``datums`` in passes that each fit ``free`` bytes (``plan``)."""
+
+        def fits(taken: Sequence[int], checkpointed: bool = False) -> bool:
             need = self.activation_bytes(
-                base, [lengths[i] for i in datums], backward=backward, checkpointed=checkpointed
+                base, [lengths[i] for i in taken], backward=backward, checkpointed=checkpointed
             )
             return need <= free
 
-        everything = tuple(range(len(lengths)))
-        if fits(everything):
-            return [Pass(everything)]
+        if fits(datums):
+            return [Pass(datums)]
         passes: list[Pass] = []
         current: list[int] = []
-        for i in everything:
+        for i in datums:
             if current and fits([*current, i]):
                 current.append(i)
                 continue
