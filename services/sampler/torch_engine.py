@@ -72,11 +72,13 @@ never evicted).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import random
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,7 @@ from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, Unavailable, Unprocessable
 from tinsmith.limits import Limits, mib
 
+from .decoder import Decoder, why_not
 from .engine import (
     DEFAULT_ADAPTER_CACHE_BYTES,
     DEFAULT_ROWS_PER_REQUEST,
@@ -146,6 +149,8 @@ class _Base:
     plain: bool
     costs: Costs  # what its rows take on the device
     weight_bytes: int  # its weights and buffers on the device
+    # Its lean forward (decoder.py), or None where it runs through transformers' forward.
+    decoder: Decoder | None
     adapters: OrderedDict[str, _Adapter] = field(default_factory=OrderedDict)  # LRU first
 
 
@@ -298,17 +303,30 @@ class TorchEngine:
                 if layout is not None
                 else None
             )
+            decoder = Decoder.of(model)
             base = _Base(
-                name, model, slots, tokenizer, eos_ids, vocab, plain, costs, _weight_bytes(model)
+                name,
+                model,
+                slots,
+                tokenizer,
+                eos_ids,
+                vocab,
+                plain,
+                costs,
+                _weight_bytes(model),
+                decoder,
             )
             self.bases[name] = base
             log.info(
-                "loaded %s on %s in %s: %s of weights, %s of KV cache per token of a sequence",
+                "loaded %s on %s in %s: %s of weights, %s of KV cache per token of a sequence; %s",
                 name,
                 placement.device,
                 str(placement.dtype).removeprefix("torch."),
                 mib(base.weight_bytes),
                 f"{costs.column / 1024:.1f} KiB",
+                "its lean forward"
+                if decoder is not None
+                else f"transformers' forward, as {why_not(model)}",
             )
         return base
 
@@ -542,12 +560,17 @@ class TorchEngine:
         }
 
     def _row_bytes(self) -> int:
-        """The running batches' caches, masks, positions and logits as they are now."""
+        """The running batches' caches, masks, positions and logits as they are now: each cache
+        tensor's whole buffer (it may have columns to spare, or columns trimmed off)."""
         total = 0
         for batch in list(self._batches.values()):
+            buffers = {}
             for layer in batch.cache.layers:  # sliding-window layers too
                 for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                    total += part.nbytes if isinstance(part, torch.Tensor) else 0
+                    if isinstance(part, torch.Tensor):
+                        storage = part.untyped_storage()
+                        buffers[storage.data_ptr()] = storage.nbytes()
+            total += sum(buffers.values())
             total += batch.mask.nbytes + batch.positions.nbytes + batch.logits.nbytes
         return total
 
@@ -784,14 +807,19 @@ class TorchEngine:
             device.release(self.placement.device)
         return [b for one in slices for b in self._prefill_isolating([one], finished)]
 
-    def _forward(self, base: _Base, adapters: list[int], **inputs: object) -> Any:
+    def _forward(self, base: _Base, adapters: list[int], room: int = 0, **inputs: Any) -> Any:
         """One forward of rows that may each use a different adapter (their slots, or
-        ``NO_ADAPTER``)."""
+        ``NO_ADAPTER``): through the base's lean forward where it has one (decoder.py; a cache
+        layer that grows takes ``room`` columns to spare), else through transformers'."""
+        if base.decoder is not None:
+            forward: Callable[..., Any] = functools.partial(base.decoder, room=room)
+        else:
+            forward = functools.partial(base.model, use_cache=True)
         if base.slots is None:
             assert all(slot == NO_ADAPTER for slot in adapters)
-            return base.model(**inputs)
+            return forward(**inputs)
         with base.slots.routed(adapters):
-            return base.model(**inputs)
+            return forward(**inputs)
 
     @torch.inference_mode()
     def _prefill(self, slices: list[tuple[_Request, int]]) -> _Prefill:
@@ -817,7 +845,6 @@ class TorchEngine:
             input_ids=input_ids.to(where),
             attention_mask=mask,
             position_ids=positions.to(where),
-            use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
         )
         return _Prefill(out.past_key_values, out.logits, mask, lengths)
@@ -1014,14 +1041,19 @@ class TorchEngine:
         batch.mask = torch.cat(
             [batch.mask, torch.ones((len(keep), 1), dtype=torch.long, device=where)], dim=1
         )
+        # A cache layer that grows takes this many columns to spare (decoder.py's ``_append``):
+        # what the memory plan reserves for the rows' tokens still to sample, shared by the rows.
+        remaining = sum(
+            max(row.request.command.params.max_tokens - len(row.tokens), 0) for row in batch.rows
+        )
         out = self._forward(
             batch.rows[0].request.base,
             [row.request.adapter for row in batch.rows],
+            room=remaining // len(batch.rows),
             input_ids=chosen[:, None],
             attention_mask=batch.mask,
             position_ids=batch.positions[:, None],
             past_key_values=batch.cache,
-            use_cache=True,
         )
         batch.cache = out.past_key_values
         batch.logits = out.logits[:, -1, :].float()
