@@ -31,6 +31,11 @@ class SamplerConfig:
     # Rows (sequences decoding at once) one request holds in the torch engine's batch at most;
     # the rest of its samples wait for them, so a long request leaves room for short ones.
     rows_per_request: int = DEFAULT_ROWS_PER_REQUEST
+    # How long a batch forms: when the engine is idle and is given a request, it waits this long
+    # for more before its first step, so that a burst of requests (an RL group's, sent together
+    # but reaching the sampler over some milliseconds) is prefilled in one forward instead of
+    # one as the first arrives and the rest in another (handlers.py, ``_form``). 0: no wait.
+    batch_delay_s: float = 0.01
 
     @classmethod
     def from_env(cls) -> SamplerConfig:
@@ -44,4 +49,6 @@ class SamplerConfig:
             adapter_cache_mb=int(env("TINSMITH_ADAPTER_CACHE_MB", cls.adapter_cache_mb)),
             ack_wait_s=float(env("TINSMITH_SAMPLER_ACK_WAIT_S", cls.ack_wait_s)),
             rows_per_request=int(env("TINSMITH_SAMPLER_ROWS_PER_REQUEST", cls.rows_per_request)),
+            batch_delay_s=float(env("TINSMITH_SAMPLER_BATCH_DELAY_MS", cls.batch_delay_s * 1e3))
+            / 1e3,
         )

@@ -375,9 +375,11 @@ class Sampler:
 
     async def _drive(self) -> None:
         """Step the engine while it has work; requests admitted meanwhile join at the next step
-        (their ``add`` runs on the compute thread between two steps)."""
+        (their ``add`` runs on the compute thread between two steps). Work given to an idle
+        engine first waits for company (``_form``)."""
         while True:
             await self._work.wait()
+            await self._form()
             self._work.clear()
             busy = True
             while busy:
@@ -403,6 +405,17 @@ class Sampler:
                     held = self._held.get(ticket)
                     if held is not None and not held.outcome.done():
                         held.outcome.set_result(outcome)
+
+    async def _form(self) -> None:
+        """Let a batch form: the engine was idle and has been given work; wait
+        ``batch_delay_s`` before its first step, so that requests sent together but arriving
+        over some milliseconds are prefilled together. Measured through the SDK
+        (bench/sample_throughput.py), 8 concurrent requests reach the sampler over 10 to 25 ms,
+        in two or three bursts; the first step, begun at the first arrival, shares the CPU with
+        the rest arriving and took 35 to 65 ms (20 ms of it computing) for one prompt, before a
+        second prefill for the others."""
+        if self.config.batch_delay_s > 0:
+            await asyncio.sleep(self.config.batch_delay_s)
 
     def _account(self, step: _Step) -> None:
         """Note the step in the life of each request it advanced."""

@@ -1,8 +1,9 @@
 """The sampler's work loop, on a real nats-server with the torch engine: a request cancelled
 before any replica fetched it is skipped, acked without running, while the request after it runs
 as usual; the loop steps the engine on its compute thread without a hand-off per token, yet a
-request that comes, or a cancellation, gets in between two steps of a long request. (A request
-cancelled while it decodes, through the gateway: tests/e2e/test_grpc.py.)"""
+request that comes, or a cancellation, gets in between two steps of a long request; requests that
+come to an idle sampler within its batch delay start together. (A request cancelled while it
+decodes, through the gateway: tests/e2e/test_grpc.py.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from services.sampler.config import SamplerConfig
 from services.sampler.engine import make_engine
 from services.sampler.handlers import Sampler
+from services.sampler.torch_engine import TorchEngine
 from tinsmith import events, jobs, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -88,10 +90,14 @@ def _status(projection: FollowedProjection, request_id: str) -> jobs.Status | No
     return request.status if request is not None else None
 
 
-async def _start(eventlog: EventLog) -> tuple[Sampler, FollowedProjection]:
+async def _start(
+    eventlog: EventLog, batch_delay_s: float = SamplerConfig.batch_delay_s
+) -> tuple[Sampler, FollowedProjection]:
     projection = FollowedProjection(eventlog)
     await projection.start()
-    config = SamplerConfig(blob_url="memory://", cache_dir=models.default_cache_dir())
+    config = SamplerConfig(
+        blob_url="memory://", cache_dir=models.default_cache_dir(), batch_delay_s=batch_delay_s
+    )
     sampler = Sampler(eventlog.bus, make_engine(config), BlobStore("memory://"), config)
     await sampler.start()
     return sampler, projection
@@ -151,5 +157,38 @@ async def test_a_request_cancelled_while_it_decodes_stops_between_two_steps(
         )
         cancelled = projection.state.requests[long]
         assert (cancelled.status, cancelled.error_kind) == (jobs.Status.FAILED, "cancelled")
+    finally:
+        await sampler.stop()
+
+
+@pytest.mark.parametrize("batch_delay_s", [1.0, 0.0])
+async def test_requests_that_come_to_an_idle_sampler_together_start_together(
+    eventlog: EventLog, batch_delay_s: float
+) -> None:
+    """Two requests a moment apart: within the batch delay, the first step holds both (one
+    prefill); with none, the first starts alone at once."""
+    sampler, projection = await _start(eventlog, batch_delay_s)
+    engine = sampler.engine
+    assert isinstance(engine, TorchEngine)
+    first_rows: list[dict[int, int]] = []  # each request's rows after the first step
+    step = engine.step
+
+    def observed() -> list[tuple[int, bytes | Exception]]:
+        finished = step()
+        if not first_rows:
+            first_rows.append(engine.batch_rows(models.TINY))
+        return finished
+
+    engine.step = observed  # type: ignore[method-assign]
+    try:
+        first = await _accept(eventlog, 0, max_tokens=8)
+        await asyncio.sleep(0.05)
+        second = await _accept(eventlog, 1, max_tokens=8)
+        for request in (first, second):
+            assert await projection.wait_until(
+                lambda r=request: _status(projection, r) is jobs.Status.COMPLETED, 60.0
+            )
+        both = {ticket: 4 for ticket in (0, 1)}  # four sequences each
+        assert first_rows == ([both] if batch_delay_s else [{0: 4}])
     finally:
         await sampler.stop()
