@@ -94,6 +94,7 @@ class Follower:
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffered_bytes = 0
         self._asked = 0  # messages the open pull request may still bring (0: none is open)
+        self._request = 0  # the number of the latest pull request (its reply subject ends so)
         self._got = 0  # messages the latest pull request brought
         self._oversized = False  # the next message is larger than the window's bytes
         self._asked_at = 0.0
@@ -126,7 +127,12 @@ class Follower:
 
     async def _new_consumer(self) -> None:
         """A consumer that starts at ``next_seq``, and an inbox of its own: messages of an earlier
-        consumer that are still on their way are told apart by the inbox they come to."""
+        consumer that are still on their way are told apart by the inbox they come to. Each pull
+        request's replies come to a subject of their own under it (``<inbox>.<request>``), so
+        that the end of a request is told apart from the end of the one before: the server ends
+        a filled batch with a "409 Batch Completed" that may come after the next request was
+        made, and taken for that one's end it let a third be asked for while the second was
+        still open (a reader allowed 32 messages held 57)."""
         await self._drop_consumer()
         config = api.ConsumerConfig(
             ack_policy=api.AckPolicy.NONE,
@@ -153,7 +159,7 @@ class Follower:
         # The pending limits are never reached: the server sends no more than was asked for, and
         # the callback only queues. They are set so that a bug here could not hold more either.
         self._subscription = await self.bus.nc.subscribe(
-            inbox,
+            f"{inbox}.*",
             cb=on_msg,
             pending_msgs_limit=4 * self.window,
             pending_bytes_limit=4 * self.window_bytes + 2 * MAX_PAYLOAD,
@@ -190,6 +196,9 @@ class Follower:
         status = headers.get(_STATUS)
         if status == _HEARTBEAT:
             return
+        current = msg.subject == f"{inbox}.{self._request}"
+        if status in _ENDED and not current:
+            return  # the end of a request that had already brought all it asked for
         if status in _ENDED:
             if status == "409" and self._got == 0 and "MaxBytes" in headers.get(_DESCRIPTION, ""):
                 self._oversized = True  # the next message alone is larger than what was asked
@@ -223,8 +232,9 @@ class Follower:
                 data = msg.data or b""
                 self._buffer.append((int(metadata.sequence.stream), data))
                 self._buffered_bytes += len(data)
-                self._asked = max(0, self._asked - 1)
-                self._got += 1
+                if current:
+                    self._asked = max(0, self._asked - 1)
+                    self._got += 1
                 self._arrived.set()
         self._changed.set()
 
@@ -273,7 +283,9 @@ class Follower:
             subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{self._consumer}"
             self._asked, self._asked_at, self._heard_at = room, now, now
             self._got, self._oversized = 0, False
-            await self.bus.nc.publish(subject, json.dumps(request).encode(), reply=self._inbox)
+            self._request += 1
+            reply = f"{self._inbox}.{self._request}"
+            await self.bus.nc.publish(subject, json.dumps(request).encode(), reply=reply)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), _HEARTBEAT_S)
 
