@@ -26,7 +26,11 @@ batch to its last token, overlapping, and one per adapter load). An engine's bus
 union of its ``compute`` spans, and its utilisation in a phase is the share of the phase's window
 that this union covers. The run prints, for each phase, the utilisation of both engines, the
 steps completed inside the window, steps per second and their ratio to the first phase's, and
-the slowest job's mean step time over the fastest's; then issue 17's targets: steps per second
+the slowest job's mean step time over the fastest's, and the share of the window in which a
+request waited for the trainer while it computed nothing (from each request's ``queue_wait``
+span, its acceptance, to the ``compute`` span that served it: the trainer's busy share can be no
+more than the jobs ask of it, and this says whether it left asked work undone); then issue 17's
+targets: steps per second
 with 8 jobs at least 5 times one job's, the trainer busy at least 80% of the time with 8 jobs,
 and no job's mean step more than 1.25 times another's in a phase. It draws both timelines for
 every phase, each job's grader waits under them, into one PNG (``docs/duty-cycle.png``).
@@ -83,6 +87,7 @@ from tinsmith.child import UpProcess, sigterm_as_interrupt
 TRAINER = "tinsmith-trainer"
 SAMPLER = "tinsmith-sampler"
 COMPUTE = "compute"
+QUEUE_WAIT = "queue_wait"
 JOB_COUNTS = [1, 2, 4, 8]
 # Issue 17's targets: steps per second keep growing with the jobs (the most jobs at least this
 # many times one job's), the trainer busy at least this share of the time with the most jobs,
@@ -134,6 +139,38 @@ def busy_intervals(spans: Iterable[Span], service: str) -> list[Interval]:
     return union(
         (s.start_ns, s.end_ns) for s in spans if s.service == service and s.name == COMPUTE
     )
+
+
+def waiting_intervals(spans: Sequence[Span], service: str) -> list[Interval]:
+    """When some request waited for a service's engine: each request from its acceptance into
+    the log (the start of its ``queue_wait`` span) to the start of the first ``compute`` span
+    that served it (in its trace, or linked to it: a fused pass or joint step is a child of one
+    request's span, linked from the others')."""
+    served: dict[str, int] = {}
+    for span in spans:
+        if span.service == service and span.name == COMPUTE:
+            for trace in (span.trace_id, *(trace for trace, _ in span.links)):
+                served[trace] = min(served.get(trace, span.start_ns), span.start_ns)
+    return union(
+        (span.start_ns, served[span.trace_id])
+        for span in spans
+        if span.service == service and span.name == QUEUE_WAIT and span.trace_id in served
+    )
+
+
+def uncovered(intervals: Iterable[Interval], cover: Iterable[Interval], window: Interval) -> float:
+    """The share of ``window`` that ``intervals`` cover and ``cover`` does not, from 0 to 1."""
+    left = clip(intervals, window)
+    covering = clip(cover, window)
+    overlap, j = 0, 0
+    for start, end in left:
+        while j < len(covering) and covering[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(covering) and covering[k][0] < end:
+            overlap += min(end, covering[k][1]) - max(start, covering[k][0])
+            k += 1
+    return (sum(e - s for s, e in left) - overlap) / (window[1] - window[0])
 
 
 # --- the system ---------------------------------------------------------------------------------
@@ -266,6 +303,8 @@ class Phase:
     steps: list[list[Step]]  # per job
     trainer: list[Interval] = field(default_factory=list)
     sampler: list[Interval] = field(default_factory=list)
+    # When some request waited for the trainer (``waiting_intervals``).
+    trainer_waiting: list[Interval] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -294,6 +333,14 @@ class Phase:
     @property
     def sampler_share(self) -> float:
         return utilisation(self.sampler, self.window)
+
+    @property
+    def trainer_idle_waited(self) -> float:
+        """The share of the window in which a request waited for the trainer and its engine
+        computed nothing: what the trainer left undone that it was asked (0 for a scheduler
+        that never idles with work to do; the service's own work around each computation, reading
+        the request and recording its outcome, counts here)."""
+        return uncovered(self.trainer_waiting, self.trainer, self.window)
 
 
 def run_phase(
@@ -366,9 +413,11 @@ def measure(
         phases.append(run_phase(url, shape, jobs, seconds, stagger_s, seed=100 * (index + 1)))
     spans = settle(receiver)
     trainer, sampler = busy_intervals(spans, TRAINER), busy_intervals(spans, SAMPLER)
+    waiting = waiting_intervals(spans, TRAINER)
     for phase in phases:
         phase.trainer = clip(trainer, phase.window)
         phase.sampler = clip(sampler, phase.window)
+        phase.trainer_waiting = clip(waiting, phase.window)
     return phases, spans
 
 
@@ -457,13 +506,17 @@ def report(phases: Sequence[Phase]) -> None:
     against the first's, its trainer share, and each phase's slowest job against its fastest."""
     first = phases[0]
     base = first.steps_done / first.seconds
-    print("\njobs  window s  steps  steps/s  x first  trainer  sampler  slowest/fastest job")
+    print(
+        "\njobs  window s  steps  steps/s  x first  trainer  sampler  slowest/fastest job  "
+        "trainer idle, work waiting"
+    )
     for phase in phases:
         rate = phase.steps_done / phase.seconds
         print(
             f"{phase.jobs:>4}  {phase.seconds:>8.1f}  {phase.steps_done:>5}  {rate:>7.3f}  "
             f"{rate / base if base else float('nan'):>7.2f}  {phase.trainer_share:>7.1%}  "
-            f"{phase.sampler_share:>7.1%}  {phase.fairness:>19.2f}"
+            f"{phase.sampler_share:>7.1%}  {phase.fairness:>19.2f}  "
+            f"{phase.trainer_idle_waited:>26.1%}"
         )
     last = phases[-1]
     speedup = (last.steps_done / last.seconds) / base if base else float("nan")

@@ -17,14 +17,23 @@ from bench.duty_cycle import (
     busy_intervals,
     clip,
     render,
+    uncovered,
     union,
     utilisation,
+    waiting_intervals,
 )
 from bench.otlp import Span
 
 
-def _span(service: str, start: int, end: int, name: str = "compute") -> Span:
-    return Span("t" * 32, "s" * 16, "", name, "INTERNAL", start, end, service)
+def _span(
+    service: str,
+    start: int,
+    end: int,
+    name: str = "compute",
+    trace: str = "t" * 32,
+    links: tuple[tuple[str, str], ...] = (),
+) -> Span:
+    return Span(trace, "s" * 16, "", name, "INTERNAL", start, end, service, links=links)
 
 
 def test_union_merges_overlapping_and_touching_intervals_and_drops_empty_ones() -> None:
@@ -109,3 +118,27 @@ def test_the_picture_is_a_small_png(tmp_path: Path) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert 10_000 < len(data) < 150_000
+
+
+def test_a_request_waits_from_its_acceptance_to_the_compute_that_served_it() -> None:
+    spans = [
+        _span(TRAINER, 0, 4, "queue_wait", trace="a"),  # then computed 6-8
+        _span(TRAINER, 6, 8, trace="a"),
+        _span(TRAINER, 1, 2, "queue_wait", trace="b"),  # fused into c's pass, 10-12
+        _span(TRAINER, 3, 5, "queue_wait", trace="c"),
+        _span(TRAINER, 10, 12, trace="c", links=(("b", "s" * 16),)),
+        _span(TRAINER, 20, 21, "queue_wait", trace="d"),  # never served: not counted
+        _span(SAMPLER, 30, 31, "queue_wait", trace="e"),  # another service's
+        _span(SAMPLER, 32, 33, trace="e"),
+    ]
+    assert waiting_intervals(spans, TRAINER) == [(0, 10)]
+    assert waiting_intervals(spans, SAMPLER) == [(30, 32)]
+
+
+def test_uncovered_is_the_share_of_the_window_waiting_outside_the_busy_time() -> None:
+    waiting, busy = [(0, 10), (12, 14)], [(2, 3), (5, 8), (9, 13)]
+    # Waiting but idle: 0-2, 3-5, 8-9, 13-14: 6 of 20.
+    assert uncovered(waiting, busy, (0, 20)) == pytest.approx(0.3)
+    assert uncovered(waiting, busy, (4, 9)) == pytest.approx(2 / 5)  # 4-5, 8-9
+    assert uncovered(waiting, [], (0, 20)) == pytest.approx(0.6)
+    assert uncovered([], busy, (0, 20)) == 0.0
