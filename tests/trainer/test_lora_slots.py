@@ -240,3 +240,29 @@ def test_free_places_are_given_back_and_the_adapters_left_compute_as_before(
     slots.unload(held[2])
     slots.shrink()
     assert slots.capacity == {} and slots.nbytes() == 0
+
+
+def test_forwards_without_gradients_see_a_bound_adapter_s_steps_after_the_stacks_grow(
+    base: PreTrainedModel,
+) -> None:
+    """A trained slot's forward-only passes compute with views of its places in the stacks;
+    after the stacks grow (room reserved for more adapters) and its parameters are stepped in
+    place, they compute its new weights, as a pass with gradients (through the parameters)
+    does."""
+    model, slots = _slotted(base)
+    trained = _load(slots, _peft(base, 8, seed=30), 8)
+    params = slots.bind(trained)
+    tokens = _tokens(2, seed=31)
+    with torch.no_grad(), slots.routed([trained, trained]):
+        before = model(tokens).logits
+    slots.reserve(8, 4)  # the rank-8 stacks grow: new tensors, the adapter copied over
+    with torch.no_grad():
+        for a, b in params.values():  # an optimizer's step: in place, on the parameters
+            a.add_(0.01)
+            b.add_(0.01)
+    with slots.routed([trained, trained]):
+        through_params = model(tokens).logits.detach()
+        with torch.no_grad():
+            through_views = model(tokens).logits
+    assert (through_params - before).abs().max().item() > 1e-3  # the step moved them
+    assert (through_views - through_params).abs().max().item() <= TOLERANCE
