@@ -465,9 +465,12 @@ class SlotLinear(nn.Module):
                 per_row = flat.shape[0] // piece.shape[0]  # tokens per row
                 delta = _segment_lora(flat, a, b, [rows * per_row for _, _, rows in members])
             added = delta.view(end - start, *out.shape[1:]).to(out.dtype)
-            if torch.is_grad_enabled():
+            if end - start == route.total:  # every row: the whole output
+                out.add_(added)
+            elif torch.is_grad_enabled():
                 # Autograd takes an in-place add to a slice of the base output (a tensor that
-                # needed no gradient until now) only as index_add_.
+                # needed no gradient until now) only as index_add_ (whose backward gathers the
+                # slice's gradient: a pass of one run's rows is the case above, without it).
                 out.index_add_(0, torch.arange(start, end, device=out.device), added)
             else:
                 out[start:end].add_(added)
