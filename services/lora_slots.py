@@ -501,7 +501,12 @@ class SlotLinear(nn.Module):
                 continue
             klass, index = self.slots.where[slot]
             last = ranges[-1] if ranges else None
-            if grouped and last is not None and last[1] == start and last[2] == klass:
+            if (
+                last is not None
+                and last[1] == start
+                and last[2] == klass
+                and (grouped or last[3][0][2] == end - start)  # grouped, or batched (_segment_lora)
+            ):
                 ranges[-1] = (last[0], end, klass, [*last[3], (slot, index, end - start)])
             else:
                 ranges.append((start, end, klass, [(slot, index, end - start)]))
@@ -524,13 +529,20 @@ class SlotLinear(nn.Module):
 
 def _segment_lora(x: Tensor, a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
     """``x`` [N, in] in consecutive segments of ``counts`` rows, segment ``g`` times
-    ``a[g]^T`` [in, r] then ``b[g]^T`` [r, out]: [N, out]."""
+    ``a[g]^T`` [in, r] then ``b[g]^T`` [r, out]: [N, out]. One grouped matmul each way where it
+    runs float32; else, for segments of one size (the runs of a fused pass with as many datums
+    each, a sampler's requests of as many rows), one batched matmul each way; else a matmul per
+    segment."""
     if len(counts) == 1:
         return (x @ a[0].T) @ b[0].T
     if _grouped_mm_works(x.device):
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         hidden = torch._grouped_mm(x, a.transpose(1, 2), offs=offsets)
         return torch._grouped_mm(hidden, b.transpose(1, 2), offs=offsets)
+    if len(set(counts)) == 1:
+        segments = x.reshape(len(counts), counts[0], x.shape[-1])
+        hidden = torch.bmm(segments, a.transpose(1, 2))
+        return torch.bmm(hidden, b.transpose(1, 2)).view(x.shape[0], b.shape[1])
     parts = torch.split(x, counts)
     return torch.cat([(part @ a[g].T) @ b[g].T for g, part in enumerate(parts)])
 

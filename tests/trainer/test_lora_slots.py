@@ -201,19 +201,25 @@ def test_a_route_to_an_empty_slot_is_refused(base: PreTrainedModel) -> None:
         slots.load({}, rank=32, scale=1.0)
 
 
-def test_the_plain_path_computes_what_the_grouped_one_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where torch's grouped matmul does not run float32 (CUDA, today), a matmul per segment."""
+@pytest.mark.parametrize("counts", [[3, 0, 7], [4, 4, 4]], ids=["per segment", "batched"])
+def test_each_way_of_computing_segments_gives_each_its_own_product(
+    monkeypatch: pytest.MonkeyPatch, counts: list[int]
+) -> None:
+    """Segment g of the rows times its own A and B: torch's grouped matmul where it runs float32
+    (checked where it does), else one batched matmul for segments of one size, else a matmul
+    per segment."""
     generator = torch.Generator().manual_seed(11)
-    x = torch.randn(10, 6, generator=generator)
+    x = torch.randn(sum(counts), 6, generator=generator)
     a = torch.randn(3, 4, 6, generator=generator)
     b = torch.randn(3, 5, 4, generator=generator)
-    counts = [3, 0, 7]
-    grouped = lora_slots._segment_lora(x, a, b, counts)
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    want = torch.cat([(x[bounds[g] : bounds[g + 1]] @ a[g].T) @ b[g].T for g in range(len(counts))])
+    if lora_slots._grouped_mm_works(x.device):
+        grouped = lora_slots._segment_lora(x, a, b, counts)
+        assert (grouped - want).abs().max().item() <= TOLERANCE
     monkeypatch.setitem(lora_slots._GROUPED, "cpu", False)
-    plain = lora_slots._segment_lora(x, a, b, counts)
-    assert (grouped - plain).abs().max().item() <= TOLERANCE
-    want = torch.cat([(x[:3] @ a[0].T) @ b[0].T, (x[3:] @ a[2].T) @ b[2].T])
-    assert (plain - want).abs().max().item() <= TOLERANCE
+    got = lora_slots._segment_lora(x, a, b, counts)
+    assert (got - want).abs().max().item() <= TOLERANCE
 
 
 def test_free_places_are_given_back_and_the_adapters_left_compute_as_before(
