@@ -8,12 +8,12 @@ runs' next requests gather here; when it is idle (nothing runs on it or waits fo
 waited longest goes, with every other waiting request of the same kind (forward, forward_backward
 or optim_step) of another run: for a pass, those on the same base model up to ``token_budget``
 tokens in all; for a step, all of them. Only requests of at most ``request_tokens`` tokens are
-fused into a pass: past that a pass's cost grows faster than its rows on the CPU, and fusing stops
-paying (bench/fused_training.py: 1.48x at 16 tokens a request, 1.27x at 64, 1.09x at 256, 0.94x at
-1024, 4 runs of tinsmith/small on one thread). A request alone, or one the engine would not run
-together (it does not fit the memory budget in one pass, say), runs alone through ``alone`` (the
-handlers' path, which makes room on the device when it must). Nothing waits for company: a request
-that finds the thread free runs at once.
+fused into a pass: past that a pass's cost grows faster than its rows on the CPU, and fusing gains
+little (bench/fused_training.py, 4 runs of tinsmith/small on one thread: 1.51x at 16 tokens a
+request, 1.26x at 128, 1.14x to 1.19x at 256, 1.02x at 512, 1.05x at 1024). A request alone, or
+one the engine would not run together (it does not fit the memory budget in one pass, say), runs
+alone through ``alone`` (the handlers' path, which makes room on the device when it must).
+Nothing waits for company: a request that finds the thread free runs at once.
 
 Each request keeps its own outcome (an invalid or non-finite one fails alone) and its own trace:
 the fused work's compute span is a child of the first request's, is linked to the others', and
