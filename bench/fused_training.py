@@ -61,15 +61,16 @@ def _engine(model: str, runs: int, threads: int) -> TrainerEngine:
     return engine
 
 
-def _request(seed: int, datums: int, tokens: int, vocab: int) -> tp.ForwardBackwardRequest:
+def cross_entropy_request(lengths: list[int], seed: int, vocab: int) -> tp.ForwardBackwardRequest:
+    """A cross-entropy forward_backward of random datums of ``lengths`` tokens (seeded)."""
     rng = np.random.default_rng(seed)
     request = tp.ForwardBackwardRequest(loss_fn="cross_entropy")
-    for _ in range(datums):
-        ids = rng.integers(3, vocab, size=tokens + 1)
+    for n in lengths:
+        ids = rng.integers(3, vocab, size=n + 1)
         datum = request.data.add()
         datum.model_input.add().encoded_text.tokens = ids[:-1].astype("<i4").tobytes()
         datum.loss_fn_inputs["target_tokens"].CopyFrom(
-            tp.Tensor(dense=ids[1:].astype("<i8").tobytes(), dtype=tp.DTYPE_INT64, shape=[tokens])
+            tp.Tensor(dense=ids[1:].astype("<i8").tobytes(), dtype=tp.DTYPE_INT64, shape=[n])
         )
     return request
 
@@ -113,7 +114,9 @@ def _compare_steps(model: str, runs: int, steps: int, threads: int) -> tuple[flo
     alone, together = _engine(model, runs, threads), _engine(model, runs, threads)
     times: dict[str, list[float]] = {"alone": [], "together": []}
     for step in range(steps + 1):
-        asks = [(f"run-{n}", _request(1000 * step + n, 1, 16, vocab)) for n in range(runs)]
+        asks = [
+            (f"run-{n}", cross_entropy_request([16], 1000 * step + n, vocab)) for n in range(runs)
+        ]
         ids = [model_id for model_id, _ in asks]
         for name, engine, way in (
             ("alone", alone, _steps_alone),
@@ -136,7 +139,10 @@ def _compare(
     alone, fused = _engine(model, runs, threads), _engine(model, runs, threads)
     times: dict[str, list[float]] = {"alone": [], "fused": []}
     for step in range(steps + 1):
-        asks = [(f"run-{n}", _request(1000 * step + n, datums, tokens, vocab)) for n in range(runs)]
+        asks = [
+            (f"run-{n}", cross_entropy_request([tokens] * datums, 1000 * step + n, vocab))
+            for n in range(runs)
+        ]
         for name, engine, way in (("alone", alone, _one_after_another), ("fused", fused, _fused)):
             started = time.perf_counter()
             way(engine, asks)

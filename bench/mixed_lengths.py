@@ -39,8 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from bench.fused_training import cross_entropy_request
 from tinsmith import host_allocator, models, runtime
-from tinsmith._proto import tinker_public_pb2 as tp
 
 PASS_SIZES = (4, 16, 64, 128, 256)
 NEVER = 1 << 40  # a pass that costs this many tokens is never worth cutting a batch for
@@ -51,19 +51,6 @@ def _lengths(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     mixed = rng.integers(args.shortest, args.longest + 1, size=args.datums).tolist()
     even = [sum(mixed) // len(mixed)] * len(mixed)
     return mixed, even
-
-
-def _request(lengths: list[int], seed: int, vocab: int) -> tp.ForwardBackwardRequest:
-    rng = np.random.default_rng(seed)
-    request = tp.ForwardBackwardRequest(loss_fn="cross_entropy")
-    for n in lengths:
-        ids = rng.integers(3, vocab, size=n + 1)
-        datum = request.data.add()
-        datum.model_input.add().encoded_text.tokens = ids[:-1].astype("<i4").tobytes()
-        datum.loss_fn_inputs["target_tokens"].CopyFrom(
-            tp.Tensor(dense=ids[1:].astype("<i8").tobytes(), dtype=tp.DTYPE_INT64, shape=[n])
-        )
-    return request
 
 
 class _Engine:
@@ -87,7 +74,7 @@ class _Engine:
 
     def step(self, lengths: list[int], seed: int) -> dict[str, float]:
         """One forward_backward: its seconds, minor page faults and kernel seconds."""
-        request = _request(lengths, seed, self.vocab)
+        request = cross_entropy_request(lengths, seed, self.vocab)
         before = resource.getrusage(resource.RUSAGE_SELF)
         started = time.perf_counter()
         self.thread.submit(self.engine.forward_backward, "run", request).result()
