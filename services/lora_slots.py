@@ -15,31 +15,32 @@ doubling when none is free; unloading frees the place. No module is added or rem
 
 A forward runs inside ``Slots.routed(row_slots)``: row ``i`` of the batch uses slot
 ``row_slots[i]``, or no adapter for ``NO_ADAPTER``. Each wrapped module computes the base output,
-then, for the rows that have an adapter on this module only, takes them (as views where each
-slot's rows are one range, as in a trainer's pass; else gathered in slot order) and computes
-``(x @ A[s]^T) @ (B[s] * scale[s])^T`` for every slot of a rank class in one call: torch's
-grouped matmul (``torch._grouped_mm``, with the rows' offsets per slot) where it runs float32,
-else a plain matmul per slot. A base-model row costs nothing more than the base; a step's cost
-follows the rows and the distinct adapters and rank classes in the batch, not the adapters
-loaded. The arithmetic is PEFT's: the input cast to float32, the delta computed in float32. A
-range of one adapter's rows (a run's pass alone, a sampler's rows of one adapter) computes
-PEFT's ``((x @ A^T) @ B^T) * scale`` with the slot's ``A`` and ``B`` at its own rank, as views of
-the stacks (without gradients, in float32, the second product, the scale and the sum are one
-``addmm_`` into the output: a sampler's decoding step of 8 tinsmith/small rows through one
-adapter went from 7.2 to 2.3 ms over the base's); several slots in one grouped call, or gathered
-rows, put the scale on ``B``, a small tensor, rather than on every row's delta (float32 rounding
-apart, the same). Where rows are gathered, the delta is added to their base output in float32
-and the sum cast back to the base's dtype; where each slot's rows are one range, the delta is cast
-to the base's dtype and added in place to the range's rows of the base output, so a trainer's
-pass builds nothing of the size of the whole output again (the same in float32; in bfloat16, the
-delta rounded once more). How a module's input is cut into ranges is worked out once per
-forward for the modules an adapter set applies to (``_Route.pieces``).
+then, for the rows that have an adapter on this module only, takes them (as views where each slot's
+rows are one range, as in a trainer's pass; else gathered in slot order) and computes ``(x @ A[s]^T)
+@ (B[s] * scale[s])^T`` for every slot of a rank class in one call: torch's grouped matmul
+(``torch._grouped_mm``, with the rows' offsets per slot) where it runs float32, else one batched
+matmul where the slots' rows are as many, else a plain matmul per slot. A base-model row costs
+nothing more than the base; a step's cost follows the rows and the distinct adapters and rank
+classes in the batch, not the adapters loaded. The arithmetic is PEFT's: the input cast to float32,
+the delta computed in float32. A range of one adapter's rows (a run's pass alone, a sampler's rows
+of one adapter) computes PEFT's ``((x @ A^T) @ B^T) * scale`` with the slot's ``A`` and ``B`` at its
+own rank, as views of the stacks (without gradients, in float32, the second product, the scale and
+the sum are one ``addmm_`` into the output: a sampler's decoding step of 8 tinsmith/small rows
+through one adapter went from 7.2 to 2.3 ms over the base's); several slots in one grouped call, or
+gathered rows, put the scale on ``B``, a small tensor, rather than on every row's delta (float32
+rounding apart, the same). Where rows are gathered, the delta is added to their base output in
+float32 and the sum cast back to the base's dtype; where each slot's rows are one range, the delta
+is cast to the base's dtype and added in place to the range's rows of the base output, so a
+trainer's pass builds nothing of the size of the whole output again (the same in float32; in
+bfloat16, the delta rounded once more). How a module's input is cut into ranges is worked out once
+per forward for the modules an adapter set applies to (``_Route.pieces``).
 
 For training, ``Slots.bind`` gives a slot's adapter as float32 ``nn.Parameter``s of its own rank
 that alias its places in the stacks (re-pointed when the stacks grow or are packed): an
 optimizer's step on them is what the next forward computes with, and a forward with gradients
-enabled builds each class's stack from the bound parameters (zero-padded to the class), so that
-backward gives every bound slot the gradient of its own rows only. Several runs are trained in
+enabled builds each class's stack from the bound parameters (zero-padded to the class; a range
+of one run's rows uses them as they are), so that backward gives every bound slot the gradient of
+its own rows only. Several runs are trained in
 one pass that way, each with its own optimizer.
 
 Adapters on disk stay PEFT's (``adapter_config.json`` + ``adapter_model.safetensors``):
@@ -434,7 +435,7 @@ class SlotLinear(nn.Module):
     def _by_spans(self, x: Tensor, out: Tensor, route: _Route) -> Tensor:
         """The forward of a route whose slots each have one range of rows: ``x`` split into the
         ranges (views, whose backward is one join), and each range's delta (an ``x A^T B^T``;
-        with a grouped matmul, a rank class's adjacent ranges in one call) added in place to
+        a rank class's adjacent ranges in one call, ``_pieces``) added in place to
         its rows of the base output ``out`` (whose backward passes the gradient through), so
         that nothing of the size of the whole output is built again. The delta is computed in
         float32 and added in ``out``'s dtype."""
@@ -491,8 +492,9 @@ class SlotLinear(nn.Module):
 
     def _pieces(self, route: _Route, present: frozenset[int], device: torch.device) -> _Pieces:
         """How this module cuts its input for ``route``, given the route's slots whose adapters
-        apply to it: the ranges in row order (with a grouped matmul, adjacent ranges of one rank
-        class are one), and the rows between them that no adapter applies to."""
+        apply to it: the ranges in row order (adjacent ranges of one rank class are one where a
+        grouped matmul runs, or where they are of one size, for a batched one: ``_segment_lora``),
+        and the rows between them that no adapter applies to."""
         assert route.spans is not None
         ranges: list[_Piece] = []
         grouped = _grouped_mm_works(device)

@@ -21,9 +21,10 @@ is padded), and a padding position attends to itself (transformers, to every col
 is never read, and so stays finite. Tested against ``model(...)`` to float32 rounding for each
 architecture, with adapters, left-padding and a cache (tests/sampler/test_decoder.py).
 
-The cache is transformers' ``DynamicCache``, whose layers' ``update`` appends each position's
-keys and values, so the engine's batch bookkeeping (merging, selecting, trimming rows) is the
-same whichever forward fills it.
+The cache is transformers' ``DynamicCache`` of plain layers, so the engine's batch bookkeeping
+(merging, selecting, trimming rows) is the same whichever forward fills it; only the appending is
+this forward's own (``_append``): each layer's keys and values are the first columns of buffers
+with room to grow, written in place instead of concatenated at every step.
 
 Owns: the forward of a supported model, and which models are supported (``Decoder.of``). Does not
 own: batching, sampling, or adapters (torch_engine.py, lora_slots.py).

@@ -84,9 +84,9 @@ async def _settled(projection: FollowedProjection, *request_ids: str) -> list[jo
     return [projection.state.requests[r] for r in request_ids]
 
 
-async def _nothing_left(eventlog: EventLog) -> None:
-    """Every request was acked: none will come back."""
-    deadline = time.monotonic() + 5.0
+async def nothing_left(eventlog: EventLog, within_s: float = 5.0) -> None:
+    """Every request was acked (within ``within_s``): none will come back."""
+    deadline = time.monotonic() + within_s
     while True:
         info = await eventlog.bus.js.consumer_info(
             subjects.EVENTS_STREAM, subjects.SAMPLER_CONSUMER
@@ -116,7 +116,7 @@ async def test_a_poison_request_fails_alone_and_the_sampler_serves_on(
     after = await _accept(eventlog, 4)  # the issue: every later sample failed
     [state] = await _settled(projection, after)
     assert state.status is jobs.Status.COMPLETED
-    await _nothing_left(eventlog)
+    await nothing_left(eventlog)
 
 
 async def test_an_adapter_with_nan_weights_is_refused_and_never_loaded(
@@ -197,7 +197,7 @@ async def test_a_request_on_its_last_delivery_is_failed_without_running(
     assert (failed.status, failed.error_kind) == (jobs.Status.FAILED, "internal")
     assert f"request {poison} was taken {MAX_DELIVER} times" in failed.error_detail
     assert f"failed request {poison} without running it" in caplog.text
-    await _nothing_left(eventlog)
+    await nothing_left(eventlog)
 
 
 async def test_the_service_states_its_device_and_fails_what_its_budget_cannot_hold(

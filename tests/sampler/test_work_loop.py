@@ -17,11 +17,13 @@ from services.sampler.config import SamplerConfig
 from services.sampler.engine import make_engine
 from services.sampler.handlers import Sampler
 from services.sampler.torch_engine import TorchEngine
-from tinsmith import events, jobs, models, subjects
+from tinsmith import events, jobs, models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.blobs import BlobStore
 from tinsmith.eventlog import EventLog, FollowedProjection
+
+from .test_failures import nothing_left
 
 SAMPLER = "S:sample:0"
 
@@ -62,15 +64,7 @@ async def test_a_request_cancelled_before_it_was_fetched_is_not_run(
             lambda: _status(projection, short) is jobs.Status.COMPLETED, 60.0
         )
         # Nothing left unacked: the long request is not running behind the short one.
-        deadline = time.monotonic() + 2.0
-        while True:
-            info = await eventlog.bus.js.consumer_info(
-                subjects.EVENTS_STREAM, subjects.SAMPLER_CONSUMER
-            )
-            if info.num_ack_pending == 0 and info.num_pending == 0:
-                break
-            assert time.monotonic() < deadline, info
-            await asyncio.sleep(0.05)
+        await nothing_left(eventlog, within_s=2.0)
         # Skipped when the sampler knew of the cancellation as it was fetched; dropped at once
         # when the cancellation came a moment after (the sampler reads cancellations before it
         # takes work, but does not wait for the end of the log to start).
