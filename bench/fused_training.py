@@ -20,6 +20,10 @@ by step so that the machine's noise falls on both alike, after one unmeasured wa
    one after another and of one ``optim_step_together``, after the same forward_backwards
    (unmeasured), and their ratio.
 
+The engines compute where the trainer would (``TINSMITH_DEVICE``, ``auto``: a GPU where there
+is one; base weights in ``TINSMITH_DTYPE``, services/device.py), and each timed step ends with
+the device synchronized, so a GPU's queued work is inside the step that queued it.
+
 One run (1 or 16 runs alike) has nothing to fuse with: its ratio is the overhead of the fused
 path, 1.0 within the noise.
 
@@ -36,9 +40,9 @@ import time
 
 import numpy as np
 import torch
+import transformers
 
-from services.device import Placement
-from services.device import total_memory as device_memory
+from services.device import Placement, placement_from_env, synchronize
 from services.trainer.engine import TrainerEngine
 from tinsmith import models, runtime
 from tinsmith._proto import bus_pb2 as bus
@@ -48,12 +52,9 @@ RANK = 16
 ADAM = bus.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
 
 
-def _engine(model: str, runs: int, threads: int) -> TrainerEngine:
+def _engine(model: str, runs: int, threads: int, placement: Placement) -> TrainerEngine:
     torch.set_num_threads(threads)
-    cpu = torch.device("cpu")
-    engine = TrainerEngine(
-        models.default_cache_dir(), threads, Placement(cpu, torch.float32, device_memory(cpu))
-    )
+    engine = TrainerEngine(models.default_cache_dir(), threads, placement)
     lora = bus.LoraConfig(rank=RANK, train_attn=True, train_mlp=True, train_unembed=True)
     for n in range(runs):
         lora.seed = n
@@ -108,10 +109,12 @@ def _step_together(engine: TrainerEngine, model_ids: list[str]) -> None:
         raise SystemExit(f"the engine did not step the runs together: {results!r:.300}")
 
 
-def _compare_steps(model: str, runs: int, steps: int, threads: int) -> tuple[float, float]:
+def _compare_steps(
+    model: str, runs: int, steps: int, threads: int, placement: Placement
+) -> tuple[float, float]:
     """Median seconds of the runs' optim_steps, one after another and together."""
     vocab = models.get(model).vocab_size
-    alone, together = _engine(model, runs, threads), _engine(model, runs, threads)
+    alone, together = (_engine(model, runs, threads, placement) for _ in range(2))
     times: dict[str, list[float]] = {"alone": [], "together": []}
     for step in range(steps + 1):
         asks = [
@@ -124,19 +127,21 @@ def _compare_steps(model: str, runs: int, steps: int, threads: int) -> tuple[flo
         ):
             for model_id, request in asks:
                 engine.forward_backward(model_id, request)
+            synchronize(placement.device)
             started = time.perf_counter()
             way(engine, ids)
+            synchronize(placement.device)
             if step:
                 times[name].append(time.perf_counter() - started)
     return statistics.median(times["alone"]), statistics.median(times["together"])
 
 
 def _compare(
-    model: str, runs: int, datums: int, tokens: int, steps: int, threads: int
+    model: str, runs: int, datums: int, tokens: int, steps: int, threads: int, placement: Placement
 ) -> tuple[float, float]:
     """Median seconds of a step of all runs, one after another and fused."""
     vocab = models.get(model).vocab_size
-    alone, fused = _engine(model, runs, threads), _engine(model, runs, threads)
+    alone, fused = (_engine(model, runs, threads, placement) for _ in range(2))
     times: dict[str, list[float]] = {"alone": [], "fused": []}
     for step in range(steps + 1):
         asks = [
@@ -144,8 +149,10 @@ def _compare(
             for n in range(runs)
         ]
         for name, engine, way in (("alone", alone, _one_after_another), ("fused", fused, _fused)):
+            synchronize(placement.device)
             started = time.perf_counter()
             way(engine, asks)
+            synchronize(placement.device)
             if step:  # the first step of each warms up
                 times[name].append(time.perf_counter() - started)
     return statistics.median(times["alone"]), statistics.median(times["fused"])
@@ -162,9 +169,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=runtime.torch_threads())
     args = parser.parse_args()
+    transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     models.materialize(args.model)
+    placement = placement_from_env()
     print(
-        f"{args.model}, rank {RANK}, float32 on the CPU, {args.threads} torch threads; "
+        f"{args.model}, rank {RANK}, on {placement.describe()}, {args.threads} torch threads; "
         f"median of {args.steps} steps",
         flush=True,
     )
@@ -175,7 +184,7 @@ def main() -> None:
     )
     for runs in args.runs:
         alone, fused = _compare(
-            args.model, runs, args.datums, args.tokens, args.steps, args.threads
+            args.model, runs, args.datums, args.tokens, args.steps, args.threads, placement
         )
         tokens = runs * args.datums * args.tokens
         print(
@@ -187,7 +196,9 @@ def main() -> None:
     print(f"{'N':>5} {'tokens/run':>10} {'alone s':>8} {'fused s':>8} {'ratio':>6}")
     stops = None
     for size in args.sizes:
-        alone, fused = _compare(args.model, 4, size, args.size_tokens, args.steps, args.threads)
+        alone, fused = _compare(
+            args.model, 4, size, args.size_tokens, args.steps, args.threads, placement
+        )
         ratio = alone / fused
         print(
             f"{size:>5} {size * args.size_tokens:>10} {alone:>8.3f} {fused:>8.3f} {ratio:>6.2f}",
@@ -202,7 +213,7 @@ def main() -> None:
     print("\n3. optim_steps: the runs' steps one after another and as one AdamW step")
     print(f"{'runs':>5} {'alone ms':>9} {'together ms':>12} {'ratio':>6}")
     for runs in args.runs:
-        alone, together = _compare_steps(args.model, runs, args.steps, args.threads)
+        alone, together = _compare_steps(args.model, runs, args.steps, args.threads, placement)
         print(
             f"{runs:>5} {alone * 1e3:>9.1f} {together * 1e3:>12.1f} {alone / together:>6.2f}",
             flush=True,

@@ -12,7 +12,8 @@ vocabulary, passed as ids (the SDK's tokenizer is never loaded).
        of a distinct L-token prompt, ``max_tokens=T`` and ``stop=[]`` (so each sequence has
        exactly T tokens), temperature 1.0, distinct seeds; B*T tokens from the first submission
        to the last result.
-   (b) in-process: the same model directory loaded with transformers (float32), the same B
+   (b) in-process: the same model directory loaded with transformers on the sampler's device and
+       in its base weights' dtype (services/device.py: float32 on the CPU), the same B
        prompts as one left-padded batch through ``model.generate`` (do_sample, temperature 1.0,
        no top-k or top-p, ``max_new_tokens=min_new_tokens=T``, KV cache), on this process's main
        thread with the sampler's intra-op thread count (``TINSMITH_TORCH_THREADS``, default half
@@ -85,6 +86,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from bench.train_overhead import nats_url, start_system
+from services.device import Placement, placement_from_env, synchronize
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.bus import Bus
@@ -151,8 +153,12 @@ class SystemSampler:
 class InProcessSampler:
     """(b): the same prompts as one left-padded batch through transformers' ``generate``."""
 
-    def __init__(self, model_dir: Path, prompts: np.ndarray, tokens: int) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    def __init__(
+        self, model_dir: Path, prompts: np.ndarray, tokens: int, placement: Placement
+    ) -> None:
+        self.device = placement.device
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=placement.dtype)
+        self.model.to(self.device)
         self.model.requires_grad_(False)
         self.model.eval()
         config = self.model.generation_config
@@ -166,12 +172,14 @@ class InProcessSampler:
         for i, row in enumerate(rows):
             self.input_ids[i, width - len(row) :] = torch.tensor(row)
             self.mask[i, width - len(row) :] = 1
+        self.input_ids, self.mask = self.input_ids.to(self.device), self.mask.to(self.device)
         self.tokens = tokens
         self._seed = 0
 
     def round(self) -> float:
         self._seed += 1
         torch.manual_seed(self._seed)
+        synchronize(self.device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
@@ -186,6 +194,7 @@ class InProcessSampler:
                 use_cache=True,
                 pad_token_id=self.pad,
             )
+        synchronize(self.device)
         elapsed = time.perf_counter() - start
         generated = out.shape[1] - self.input_ids.shape[1]
         if generated != self.tokens:
@@ -459,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{args.model}: {shape}, {args.warmup} warm-up + {args.rounds} measured rounds, torch "
         f"threads {torch.get_num_threads()}, {os.cpu_count()} CPUs, load average "
-        f"{os.getloadavg()[0]:.1f}",
+        f"{os.getloadavg()[0]:.1f}; both sides on {placement_from_env().describe()}",
         flush=True,
     )
     out: dict[str, Any] = {}
@@ -498,7 +507,7 @@ def measure(
     prompts = prompts_for(model, args.batch, args.prompt, seed=0)
     base = service.create_sampling_client(base_model=model).result()
     a = SystemSampler(base, prompts, args.tokens)
-    b = InProcessSampler(model_dir, prompts, args.tokens)
+    b = InProcessSampler(model_dir, prompts, args.tokens, placement_from_env())
     system_tps, in_process_tps = alternate((a.round, b.round), args.warmup, args.rounds)
     del b
     out["system_tps"], out["in_process_tps"] = system_tps, in_process_tps

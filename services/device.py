@@ -196,6 +196,15 @@ def is_out_of_memory(error: BaseException) -> bool:
     )
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until the work queued on ``device`` is done (a GPU runs it asynchronously; the CPU
+    has nothing to wait for): what a timer around GPU work must call before it reads the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def release(device: torch.device) -> None:
     """Give the caching allocator's free blocks back, after an out-of-memory error or an
     unload, so that the next request starts from what is really held."""
