@@ -32,12 +32,11 @@ class TrainerConfig:
     snapshot_every: int = 20
     # The most tokens of one fused pass: forward_backward requests of several runs on one base
     # model that are ready together run as one pass up to this many tokens (fusion.py). 0: each
-    # request runs alone.
-    fuse_tokens: int = 2048
-    # The most tokens of a request that is fused with others: a larger one runs alone, as
-    # fusing gains little past about this size on the CPU (bench/fused_training.py: 4 runs of
-    # 256 tokens each 1.14x to 1.19x, of 512 1.02x, of 1024 1.05x).
-    fuse_request_tokens: int = 512
+    # request runs alone. None: the device's default (fusion.default_limits).
+    fuse_tokens: int | None = None
+    # The most tokens of a request that is fused with others: a larger one runs alone. None: the
+    # device's default (fusion.default_limits).
+    fuse_request_tokens: int | None = None
     # What one more forward_backward pass costs, in padded tokens: a batch of mixed lengths is
     # cut into passes of similar lengths where that saves more padding (grouping.py). None: the
     # device's default (engine.default_pass_tokens).
@@ -53,9 +52,14 @@ class TrainerConfig:
             replica=os.environ.get("TINSMITH_REPLICA", cls.replica),
             lease_s=float(os.environ.get("TINSMITH_TRAINER_LEASE_S", cls.lease_s)),
             snapshot_every=int(os.environ.get("TINSMITH_SNAPSHOT_EVERY", cls.snapshot_every)),
-            fuse_tokens=int(os.environ.get("TINSMITH_TRAINER_FUSE_TOKENS", cls.fuse_tokens)),
-            fuse_request_tokens=int(
-                os.environ.get("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS", cls.fuse_request_tokens)
-            ),
+            fuse_tokens=_tokens_from_env("TINSMITH_TRAINER_FUSE_TOKENS"),
+            fuse_request_tokens=count_from_env("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS"),
             pass_tokens=count_from_env("TINSMITH_TRAINER_PASS_TOKENS"),
         )
+
+
+def _tokens_from_env(name: str) -> int | None:
+    """A count of tokens from ``name`` where 0 means none (``count_from_env`` otherwise)."""
+    if os.environ.get(name, "").strip() == "0":
+        return 0
+    return count_from_env(name)

@@ -112,9 +112,11 @@ class OutOfBudget(Unprocessable):
 def default_pass_tokens(device: torch.device) -> int:
     """The fixed cost of a forward_backward pass in tokens' worth of compute: 64 on the CPU
     (measured there: about 60 for tinsmith/small, 45 for SmolLM2-135M, ``bench/mixed_lengths.py``);
-    1024 on an accelerator, where a pass's launches cost more against its tokens (an estimate:
-    no GPU was available to measure it). ``TINSMITH_TRAINER_PASS_TOKENS`` overrides it."""
-    return 64 if device.type == "cpu" else 1024
+    4096 on an accelerator, where a pass's launches cost far more than its tokens (on an H200 in
+    bfloat16, from fused_training's runs alone at 16 and 4096 tokens: about 2,300 tokens' worth
+    for tinsmith/small and 7,300 for SmolLM2-135M's shape, docs/performance.md).
+    ``TINSMITH_TRAINER_PASS_TOKENS`` overrides it."""
+    return 64 if device.type == "cpu" else 4096
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ runs' next requests gather here; when it is idle (nothing runs on it or waits fo
 waited longest goes, with every other waiting request of the same kind (forward, forward_backward
 or optim_step) of another run: for a pass, those on the same base model up to ``token_budget``
 tokens in all; for a step, all of them. Only requests of at most ``request_tokens`` tokens are
-fused into a pass: past that a pass's cost grows faster than its rows on the CPU, and fusing gains
-little (bench/fused_training.py, 4 runs of tinsmith/small on one thread: 1.51x at 16 tokens a
-request, 1.26x at 128, 1.14x to 1.19x at 256, 1.02x at 512, 1.05x at 1024). A request alone, or
+fused into a pass: on the CPU, past that a pass's cost grows faster than its rows and fusing gains
+little; a GPU's passes cost their launches more than their tokens, and fusing pays at every size
+measured (``default_limits``). A request alone, or
 one the engine would not run together (it does not fit the memory budget in one pass, say), runs
 alone through ``alone`` (the handlers' path, which makes room on the device when it must).
 Nothing waits for company: a request that finds the thread free runs at once.
@@ -30,6 +30,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import torch
 from opentelemetry import trace
 
 from tinsmith import telemetry
@@ -61,6 +62,19 @@ class Ask:
         if isinstance(self.work, bus.AdamParams):
             return OPTIM_STEP
         return "forward" if self.work.forward_only else "forward_backward"
+
+
+def default_limits(device: torch.device) -> tuple[int, int]:
+    """The most tokens of one fused pass, and of a request fused with others, where
+    ``TINSMITH_TRAINER_FUSE_TOKENS`` and ``TINSMITH_TRAINER_FUSE_REQUEST_TOKENS`` are unset.
+
+    On the CPU 2048 and 512: there a pass's cost grows faster than its rows (bench/
+    fused_training.py, 4 runs of tinsmith/small on one thread: 1.51x at 16 tokens a request,
+    1.26x at 128, 1.14x to 1.19x at 256, 1.02x at 512, 1.05x at 1024). On an accelerator 16384
+    and 4096: on an H200, 4 runs of SmolLM2-135M's shape in bfloat16 trained 1.82x to 2.04x
+    faster fused at 16 to 1024 tokens each, and 1.65x at 4096 (tinsmith/small: 1.58x), the
+    largest measured (docs/performance.md)."""
+    return (2048, 512) if device.type == "cpu" else (16384, 4096)
 
 
 class Fuser:

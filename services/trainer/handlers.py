@@ -76,7 +76,7 @@ from tinsmith.tensors import model_input_tokens
 from . import placement
 from .config import TrainerConfig
 from .engine import OutOfBudget, TrainerEngine
-from .fusion import Ask, Fuser
+from .fusion import Ask, Fuser, default_limits
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -146,9 +146,12 @@ class Trainer:
             device=engine.device,
             gpu_clock=gpu.cuda_clock(engine.device()),
         )
-        self.fuser = Fuser(
-            self.compute, engine, self._alone, config.fuse_tokens, config.fuse_request_tokens
-        )
+        pass_limit, request_limit = default_limits(engine.placement.device)
+        if config.fuse_tokens is not None:
+            pass_limit = config.fuse_tokens
+        if config.fuse_request_tokens is not None:
+            request_limit = config.fuse_request_tokens
+        self.fuser = Fuser(self.compute, engine, self._alone, pass_limit, request_limit)
         self.fleet = Fleet(
             bus_,
             config.replica or bus_.replica,

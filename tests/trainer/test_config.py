@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from services.trainer.config import TrainerConfig
+from services.trainer.fusion import default_limits
 
 _FLEET = ("TINSMITH_REPLICA", "TINSMITH_TRAINER_LEASE_S", "TINSMITH_SNAPSHOT_EVERY")
 
@@ -23,3 +25,29 @@ def test_the_fleet_settings_come_from_the_environment(monkeypatch: pytest.Monkey
         1.5,
         5,
     )
+
+
+_FUSION = ("TINSMITH_TRAINER_FUSE_TOKENS", "TINSMITH_TRAINER_FUSE_REQUEST_TOKENS")
+
+
+def test_fusion_limits_default_to_the_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the fusion limits are the device's (the CPU's smaller than an accelerator's);
+    set, they are what is set, 0 tokens a pass meaning no fusing; a request limit of 0 or a
+    word is refused with the variable's name."""
+    for name in _FUSION:
+        monkeypatch.delenv(name, raising=False)
+    defaults = TrainerConfig.from_env()
+    assert (defaults.fuse_tokens, defaults.fuse_request_tokens) == (None, None)
+    assert default_limits(torch.device("cpu")) == (2048, 512)
+    assert default_limits(torch.device("cuda", 0)) == (16384, 4096)
+    assert default_limits(torch.device("mps")) == (16384, 4096)
+
+    monkeypatch.setenv("TINSMITH_TRAINER_FUSE_TOKENS", "0")
+    monkeypatch.setenv("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS", "96")
+    configured = TrainerConfig.from_env()
+    assert (configured.fuse_tokens, configured.fuse_request_tokens) == (0, 96)
+
+    for raw in ("0", "many"):
+        monkeypatch.setenv("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS", raw)
+        with pytest.raises(SystemExit, match="TINSMITH_TRAINER_FUSE_REQUEST_TOKENS"):
+            TrainerConfig.from_env()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from services.trainer.engine import TrainerEngine
+from services.trainer.fusion import default_limits
 from tests.trainer.test_memory import TINY, _engine, _outputs, _request
 from tests.trainer.test_work_loop import Harness, _batch, _diverging
 from tinsmith import jobs
@@ -335,6 +336,14 @@ async def test_the_trainer_fuses_the_runs_that_are_ready_together(harness: Harne
             reference.optim_step(m, FUSED_ADAM)
             gap = _tensor_gap(_tensors(trainer.engine, m, False), _tensors(reference, m, False))
             assert gap <= TOLERANCE, m
+
+
+async def test_a_trainer_fuses_within_its_devices_limits_unless_told(harness: Harness) -> None:
+    async with harness.trainer() as trainer:
+        limits = (trainer.fuser.token_budget, trainer.fuser.request_tokens)
+        assert limits == default_limits(trainer.engine.placement.device) == (2048, 512)
+    async with harness.trainer(fuse_tokens=300, fuse_request_tokens=30) as trainer:
+        assert (trainer.fuser.token_budget, trainer.fuser.request_tokens) == (300, 30)
 
 
 @pytest.mark.parametrize(
