@@ -98,6 +98,10 @@ _RUN_COPIES = 4
 # What a forward_backward holds beyond its activations, in adapter sizes: the gradients
 # accumulated so far set aside, this batch's, and their sum.
 _STEP_COPIES = 3
+# What an optim_step holds beside its run while it computes the step aside, in adapter sizes:
+# the clipped gradients, the new moments and weights, and the moments' denominators (or, once
+# those are dropped, the weights' changes whose norms are measured).
+_OPTIM_COPIES = 5
 
 
 class OutOfBudget(Unprocessable):
@@ -806,15 +810,15 @@ class TrainerEngine:
     def optim_step_together(
         self, asks: Sequence[tuple[str, bus.AdamParams]]
     ) -> list[dict[str, float] | Exception | None]:
-        """Several runs' optim_steps as one: torch's AdamW over every run's parameters at once,
-        one parameter group per set of hyperparameters, each parameter with its own run's state
-        and step count, so each run's weights and AdamW state are what ``optim_step`` gives it
-        alone. The checks before and after the step take one device sync for all the runs.
+        """Several runs' optim_steps as one: AdamW's arithmetic over every run's parameters at
+        once (``_adamw_aside``), each parameter with its own run's state and step count, so each
+        run's weights and AdamW state are what ``optim_step`` gives it alone. The checks before
+        and after the step take one device sync for all the runs.
 
         For each request, in order: its metrics; the error that refuses it alone (its run is as
         it was); or None where it was not run and is to be run alone with ``optim_step``: its
-        run is not loaded here or is named twice, the copies that make the steps undoable do
-        not fit what is free of the budget together, or the device ran out of memory."""
+        run is not loaded here or is named twice, the steps computed aside do not fit what is
+        free of the budget together, or the device ran out of memory."""
         try:
             return self._on_device("optim_step", self._optim_steps, asks)
         except Unavailable:
@@ -830,7 +834,7 @@ class TrainerEngine:
             run = self.runs.get(model_id)
             if run is None or any(run is other for _, other, _ in taken):
                 continue
-            copies = _STEP_COPIES * run.state_bytes // _RUN_COPIES
+            copies = _OPTIM_COPIES * run.state_bytes // _RUN_COPIES
             if taken and copies > free:
                 continue
             free -= copies
@@ -846,36 +850,29 @@ class TrainerEngine:
         if not steps:
             return results
         try:
-            try:
-                _adamw([step for _, step in steps])
-            except RuntimeError as exc:  # torch refuses a step size beyond float32's range
-                if "overflow" not in str(exc):
-                    raise
-                for _, step in steps:
-                    step.undo()
-                if len(steps) > 1:  # which run's? Each is taken again alone.
-                    for k, _ in steps:
-                        results[k] = None
-                else:
-                    k, step = steps[0]
-                    results[k] = Unprocessable(f"this step would make the adapter {step.refusal()}")
-                return results
-            moves = _moves([step for _, step in steps])
-        except BaseException:
-            for _, step in steps:
-                step.undo()
-            raise
-        for (k, step), moved in zip(steps, moves, strict=True):
+            asides = _adamw_aside([step for _, step in steps])
+        except RuntimeError as exc:  # torch refuses a step size beyond float32's range
+            if "overflow" not in str(exc):
+                raise
+            if len(steps) > 1:  # which run's? Each is taken again alone.
+                for k, _ in steps:
+                    results[k] = None
+            else:
+                k, step = steps[0]
+                results[k] = Unprocessable(f"this step would make the adapter {step.refusal()}")
+            return results
+        moves = _moves([step for _, step in steps], asides)
+        for (k, step), aside, moved in zip(steps, asides, moves, strict=True):
             broken = [
                 n for n, size in zip(step.names, moved, strict=True) if not math.isfinite(size)
             ]
             if broken:
-                step.undo()
                 results[k] = Unprocessable(
                     f"this step would make {len(broken)} of {len(step.names)} adapter tensors "
                     f"(first: {broken[0]}) {step.refusal()}"
                 )
                 continue
+            aside.commit(step)
             step.run.optimizer.zero_grad(set_to_none=True)
             for group in step.run.optimizer.param_groups:
                 group.update(step.hyperparameters())
@@ -927,34 +924,26 @@ class TrainerEngine:
 @dataclass
 class _Step:
     """A run's optim_step once its gradients passed the checks: the hyperparameters it is taken
-    with, its gradients' norm, and what undoes it (its weights, AdamW state and gradients as they
-    were before)."""
+    with, its gradients clipped to step with, and their norm before clipping."""
 
     run: Run
     adam: bus.AdamParams
     names: list[str]
-    grads: list[torch.Tensor]  # as accumulated, before clipping
+    grads: list[torch.Tensor]
     norm: float
-    before: list[torch.Tensor]
-    state: dict[torch.Tensor, dict[str, Any]]
 
     @classmethod
     def begin(
         cls, run: Run, adam: bus.AdamParams, grads: dict[str, torch.Tensor], norm: torch.Tensor
     ) -> _Step:
-        """Clip the run's gradients (on copies, as clip_grad_norm_ does, so that a refusal can
-        put them back) and save what undoes the step."""
+        """Clip the run's gradients, on copies as ``clip_grad_norm_`` computes them, so that the
+        accumulated ones stay as they are until the step is taken."""
+        stepped = list(grads.values())
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
         if math.isfinite(max_norm):
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for name, g in grads.items():
-                run.params[name].grad = g * scale
-        state = {
-            p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-            for p, s in run.optimizer.state.items()
-        }
-        before = [run.params[name].detach().clone() for name in grads]
-        return cls(run, adam, list(grads), list(grads.values()), float(norm), before, state)
+            stepped = list(torch._foreach_mul(stepped, scale))
+        return cls(run, adam, list(grads), stepped, float(norm))
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -978,16 +967,6 @@ class _Step:
             "taken"
         )
 
-    def undo(self) -> None:
-        """Put the run's weights, AdamW state and gradients back as they were."""
-        with torch.no_grad():
-            for param, weight in zip(self.params, self.before, strict=True):
-                param.copy_(weight)
-        self.run.optimizer.state.clear()
-        self.run.optimizer.state.update(self.state)
-        for param, g in zip(self.params, self.grads, strict=True):
-            param.grad = g
-
 
 def _begin_steps(asks: Sequence[tuple[Run, bus.AdamParams]]) -> list[_Step | Exception]:
     """Each run's step begun (``_Step.begin``), or refused (``Unprocessable``) where the
@@ -1001,7 +980,7 @@ def _begin_steps(asks: Sequence[tuple[Run, bus.AdamParams]]) -> list[_Step | Exc
     outcomes: list[_Step | Exception] = []
     for (run, adam), grads in zip(asks, named, strict=True):
         if not grads:
-            outcomes.append(_Step(run, adam, [], [], 0.0, [], {}))
+            outcomes.append(_Step(run, adam, [], [], 0.0))
             continue
         norm, value = next(measured)
         if math.isfinite(value):
@@ -1027,41 +1006,126 @@ def _begin_steps(asks: Sequence[tuple[Run, bus.AdamParams]]) -> list[_Step | Exc
     return outcomes
 
 
-def _adamw(steps: Sequence[_Step]) -> None:
-    """One AdamW step for every run of ``steps``: torch's AdamW over one parameter group per set
-    of hyperparameters, each parameter stepping with its own run's state (its moments and step
-    count), which is its run optimizer's again afterwards."""
-    groups: dict[tuple[Any, ...], tuple[dict[str, Any], list[torch.nn.Parameter]]] = {}
-    for step in steps:
+@dataclass
+class _Aside:
+    """A run's AdamW step computed beside the run: for each of its stepped parameters, the new
+    weights, moments and step count. Nothing of the run changes until ``commit``."""
+
+    weights: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+
+    def commit(self, step: _Step) -> None:
+        """Make the step the run's: its weights (in place, as they alias the slot stacks) and
+        its AdamW state, in torch.optim.AdamW's own layout."""
+        if not self.weights:
+            return
+        targets: list[torch.Tensor] = [*step.params]
+        with torch.no_grad():
+            torch._foreach_copy_(targets, self.weights)
+        state = step.run.optimizer.state
+        for param, exp_avg, exp_avg_sq, count in zip(
+            step.params, self.exp_avgs, self.exp_avg_sqs, self.counts, strict=True
+        ):
+            state[param] = {
+                "step": torch.tensor(count, dtype=torch.float32),
+                "exp_avg": exp_avg,
+                "exp_avg_sq": exp_avg_sq,
+            }
+
+
+def _adamw_aside(steps: Sequence[_Step]) -> list[_Aside]:
+    """Each run's AdamW step, computed aside (``_Aside``): torch.optim.AdamW's arithmetic, its
+    operations in its order (those of its per-tensor implementation, which it runs on the CPU;
+    on a GPU, of its multi-tensor one, which does the same per element), as multi-tensor
+    operations over every run's parameters at once, one call per set of hyperparameters. Each
+    parameter steps with its own run's moments and step count, so each run gets what it gets
+    alone. Computing aside, not in place, is what lets a step that would make a weight
+    non-finite be refused with nothing to undo."""
+    asides = [
+        _Aside(
+            [torch.empty(0)] * len(step.names),
+            [torch.empty(0)] * len(step.names),
+            [torch.empty(0)] * len(step.names),
+            [0.0] * len(step.names),
+        )
+        for step in steps
+    ]
+    groups: dict[tuple[float, ...], list[_Member]] = {}
+    for step, aside in zip(steps, asides, strict=True):
         settings = step.hyperparameters()
         key = (settings["lr"], *settings["betas"], settings["eps"], settings["weight_decay"])
-        groups.setdefault(key, (settings, []))[1].extend(step.params)
-    together = [{"params": params, **settings} for settings, params in groups.values() if params]
-    if not together:
-        return
-    optimizer = torch.optim.AdamW(together)
-    for step in steps:
-        for param in step.params:
-            if param in step.run.optimizer.state:
-                optimizer.state[param] = step.run.optimizer.state[param]
-    optimizer.step()
-    for step in steps:
-        for param in step.params:
-            step.run.optimizer.state[param] = optimizer.state[param]
+        held = step.run.optimizer.state
+        for index, (param, grad) in enumerate(zip(step.params, step.grads, strict=True)):
+            state = held.get(param)
+            if state:
+                member = _Member(
+                    aside,
+                    index,
+                    param.detach(),
+                    grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    float(state["step"]) + 1,
+                )
+            else:  # AdamW's first step: zero moments
+                zeros = torch.zeros_like(param.detach())
+                member = _Member(aside, index, param.detach(), grad, zeros, zeros, 1.0)
+            groups.setdefault(key, []).append(member)
+    for (lr, beta1, beta2, eps, weight_decay), members in groups.items():
+        params = [m.param for m in members]
+        grads = [m.grad for m in members]
+        counts = [m.count for m in members]
+        exp_avgs = torch._foreach_lerp([m.exp_avg for m in members], grads, 1 - beta1)
+        exp_avg_sqs = torch._foreach_mul([m.exp_avg_sq for m in members], beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, [(1 - beta2**count) ** 0.5 for count in counts])
+        torch._foreach_add_(denominators, eps)
+        steps_by = [-(lr / (1 - beta1**count)) for count in counts]
+        if weight_decay:  # decoupled, as AdamW's: the weights shrink first
+            weights = torch._foreach_mul(params, 1 - lr * weight_decay)
+            torch._foreach_addcdiv_(weights, exp_avgs, denominators, steps_by)
+        else:
+            weights = torch._foreach_addcdiv(params, exp_avgs, denominators, steps_by)
+        del denominators
+        for m, weight, exp_avg, exp_avg_sq in zip(
+            members, weights, exp_avgs, exp_avg_sqs, strict=True
+        ):
+            m.aside.weights[m.index] = weight
+            m.aside.exp_avgs[m.index] = exp_avg
+            m.aside.exp_avg_sqs[m.index] = exp_avg_sq
+            m.aside.counts[m.index] = m.count
+    return asides
 
 
-def _moves(steps: Sequence[_Step]) -> list[list[float]]:
+@dataclass
+class _Member:
+    """A parameter in ``_adamw_aside``'s multi-tensor step: where its results go (its run's
+    aside, at its place among the run's stepped parameters), and what it steps from."""
+
+    aside: _Aside
+    index: int
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    count: float  # the step count after this step
+
+
+def _moves(steps: Sequence[_Step], asides: Sequence[_Aside]) -> list[list[float]]:
     """For each step, the norm of its change to each of its run's weight tensors (one device sync
-    for all). A move is not finite exactly when the step made the tensor non-finite (or it was
-    so already): its new values are the old finite ones plus finite changes (short of float32's
-    largest, 3e38)."""
-    stepped = [step for step in steps if step.names]
+    for all). A move is not finite exactly when the step would make the tensor non-finite (or it
+    was so already): its new values are the old finite ones plus finite changes (short of
+    float32's largest, 3e38)."""
+    stepped = [(step, aside) for step, aside in zip(steps, asides, strict=True) if step.names]
     if not stepped:
         return [[] for _ in steps]
     moved = torch._foreach_norm(
         torch._foreach_sub(
-            [p.detach() for step in stepped for p in step.params],
-            [b for step in stepped for b in step.before],
+            [w for _, aside in stepped for w in aside.weights],
+            [p.detach() for step, _ in stepped for p in step.params],
         )
     )
     norms = iter(torch.stack(moved).tolist())
@@ -1229,10 +1293,13 @@ def _accumulate(
             "nothing was accumulated"
         )
     summed: dict[str, torch.Tensor | None] = {}
+    added: dict[str, torch.Tensor | None] = {}  # the sums of two finite tensors, which may overflow
     for name, new in fresh.items():
         old = accumulated[name]
         summed[name] = old if new is None else new if old is None else old + new
-    broken = _not_finite(summed)
+        if old is not None and new is not None:
+            added[name] = summed[name]
+    broken = _not_finite(added)
     if broken:
         raise Unprocessable(
             "adding the gradients of this batch to those accumulated since the last optim_step "
@@ -1243,11 +1310,15 @@ def _accumulate(
 
 
 def _not_finite(tensors: Mapping[str, torch.Tensor | None]) -> list[str]:
-    """The names of the tensors that hold a NaN or an infinity (one device sync for all)."""
+    """The names of the tensors that hold a NaN or an infinity. Each tensor's largest magnitude
+    is finite exactly when all its elements are (a NaN propagates, and no finite value
+    overflows a maximum as it would a sum of squares): one multi-tensor reduction and one
+    device sync for all, not a few operations per tensor."""
     present = {n: t for n, t in tensors.items() if t is not None}
     if not present:
         return []
-    finite = torch.stack([torch.isfinite(t).all() for t in present.values()]).tolist()
+    peaks = torch._foreach_norm(list(present.values()), math.inf)
+    finite = torch.isfinite(torch.stack(peaks)).tolist()
     return [n for n, ok in zip(present, finite, strict=True) if not ok]
 
 

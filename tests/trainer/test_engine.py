@@ -71,6 +71,12 @@ def test_optim_step_is_torch_adamw_on_the_same_gradients(
         for name, p in run.params.items():
             torch.testing.assert_close(p.detach(), shadow[name].detach(), rtol=0, atol=1e-7)
             assert p.grad is None  # zeroed after the step
+            ours, theirs = run.optimizer.state[p], reference.state[shadow[name]]
+            assert set(ours) == set(theirs) == {"step", "exp_avg", "exp_avg_sq"}
+            assert ours["step"].dtype == theirs["step"].dtype
+            assert float(ours["step"]) == float(theirs["step"]) == step + 1
+            for moment in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours[moment], theirs[moment], rtol=0, atol=1e-9)
 
 
 def test_runs_keep_their_own_gradients(engine: TrainerEngine) -> None:
