@@ -11,11 +11,17 @@ layer's norms, projections, ``act_fn`` and the rotary embedding, so the LoRA slo
 directly, with one attention mask per forward: 5.0 to 5.4 ms for the same step, 1.25 to 1.3x
 (``bench/sample_throughput.py`` measures what it gives through the system).
 
-The arithmetic is transformers': each projection, norm and activation is the model's own module;
-the rotary embedding its ``rotary_emb`` and its modelling module's ``apply_rotary_pos_emb``;
-attention is ``scaled_dot_product_attention`` with the module's ``scaling``, a single query
-position's heads grouped by key-value head (transformers' ``pack_gqa``), several positions' keys
-and values repeated per query head (its ``repeat_kv``). What differs is only where rounding can:
+The arithmetic is transformers': each projection and activation is the model's own module, the
+rotary embedding its ``rotary_emb``. The norms are the family's RMSNorm (the same in all four
+modelling modules, checked by class) as ``F.rms_norm`` in float32, then cast back and scaled by
+the norm's weight as the module does: one fused kernel on a GPU where the module launches seven;
+on the CPU torch decomposes it into the module's own operations (bit for bit). The rotation is the
+family's rotate-half formula (``apply_rotary_pos_emb``), applied to a layer's queries and keys
+together, one set of operations where transformers has two. Attention is
+``scaled_dot_product_attention`` with the module's ``scaling``, a single query position's heads
+grouped by key-value head (transformers' ``pack_gqa``), several positions' keys and values
+repeated per query head (its ``repeat_kv``). What differs is only where rounding can (a GPU's
+fused norm sums the squares in its own order):
 the mask of a prefill is always given (transformers lets SDPA build the causal one where nothing
 is padded), and a padding position attends to itself (transformers, to every column): its output
 is never read, and so stays finite. Tested against ``model(...)`` to float32 rounding for each
@@ -32,7 +38,6 @@ own: batching, sampling, or adapters (torch_engine.py, lora_slots.py).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -49,8 +54,10 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 LAYERS = frozenset(
     {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 )
+# Their norms: ``weight * (x32 * rsqrt(mean(x32**2) + eps)).to(dtype)`` with x32 = x in float32.
+NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
-Rotate = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+Norm = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -63,14 +70,14 @@ class Output:
 
 @dataclass(frozen=True)
 class _Layer:
-    input_norm: nn.Module
+    input_norm: Norm
     q: nn.Module
     k: nn.Module
     v: nn.Module
     o: nn.Module
-    q_norm: nn.Module | None  # Qwen3's per-head norms
-    k_norm: nn.Module | None
-    post_norm: nn.Module
+    q_norm: Norm | None  # Qwen3's per-head norms
+    k_norm: Norm | None
+    post_norm: Norm
     gate: nn.Module
     up: nn.Module
     down: nn.Module
@@ -88,23 +95,21 @@ class Decoder:
         inner = model.get_decoder()  # type: ignore[no-untyped-call]
         self.model = model
         self.embed: nn.Module = inner.embed_tokens
-        self.norm: nn.Module = inner.norm
+        self.norm = _norm(inner.norm)
         self.rotary: nn.Module = inner.rotary_emb
         self.head: nn.Module = model.get_output_embeddings()  # type: ignore[no-untyped-call]
-        first = inner.layers[0]
-        self.rotate: Rotate = sys.modules[type(first).__module__].apply_rotary_pos_emb
         config = model.config
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers = [
             _Layer(
-                input_norm=layer.input_layernorm,
+                input_norm=_norm(layer.input_layernorm),
                 q=layer.self_attn.q_proj,
                 k=layer.self_attn.k_proj,
                 v=layer.self_attn.v_proj,
                 o=layer.self_attn.o_proj,
-                q_norm=getattr(layer.self_attn, "q_norm", None),
-                k_norm=getattr(layer.self_attn, "k_norm", None),
-                post_norm=layer.post_attention_layernorm,
+                q_norm=_maybe_norm(getattr(layer.self_attn, "q_norm", None)),
+                k_norm=_maybe_norm(getattr(layer.self_attn, "k_norm", None)),
+                post_norm=_norm(layer.post_attention_layernorm),
                 gate=layer.mlp.gate_proj,
                 up=layer.mlp.up_proj,
                 down=layer.mlp.down_proj,
@@ -146,6 +151,7 @@ class Decoder:
         new = input_ids.shape[1]
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [rows, 1 (every head), new, head_dim]
         mask = _attention_mask(attention_mask, new)
         for index, layer in enumerate(self.layers):
             residual = hidden
@@ -177,7 +183,8 @@ class Decoder:
         if layer.q_norm is not None and layer.k_norm is not None:
             q, k = layer.q_norm(q), layer.k_norm(k)
         v = layer.v(hidden).view(shape).transpose(1, 2)
-        q, k = self.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        rotated = _rotate(torch.cat((q, k), dim=2).transpose(1, 2), cos, sin)
+        q, k = rotated[:, : layer.heads], rotated[:, layer.heads :]
         keys, values = self._append(cached, k, v, room)
         groups = layer.heads // layer.kv_heads
         if new == 1 and groups > 1:
@@ -223,6 +230,41 @@ class Decoder:
         whole_values[..., length:total, :] = values
         layer.keys, layer.values = whole_keys[..., :total, :], whole_values[..., :total, :]
         return layer.keys, layer.values
+
+
+class _RMSNorm:
+    """The family's RMSNorm module as ``F.rms_norm`` (``NORMS``): the same arithmetic, in one
+    call."""
+
+    def __init__(self, module: nn.Module, eps: float) -> None:
+        self.module = module
+        self.eps = eps
+
+    def __call__(self, x: Tensor) -> Tensor:
+        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        weight = cast(Tensor, self.module.weight)  # read at each call: the module's own
+        return weight * normed.to(x.dtype)
+
+
+def _norm(module: nn.Module) -> Norm:
+    """``module`` as ``_RMSNorm`` where it is the family's RMSNorm, else the module itself."""
+    eps = getattr(module, "variance_epsilon", None)
+    if type(module).__name__ in NORMS and isinstance(eps, float):
+        return _RMSNorm(module, eps)
+    return cast(Norm, module)
+
+
+def _maybe_norm(module: nn.Module | None) -> Norm | None:
+    return None if module is None else _norm(module)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The family's rotary embedding of ``x`` [rows, heads, positions, head_dim], with ``cos``
+    and ``sin`` [rows, 1, positions, head_dim]: ``x * cos + rotate_half(x) * sin``, as
+    ``apply_rotary_pos_emb`` computes it for queries and for keys."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (turned * sin)
 
 
 def _whole(held: Tensor, total: int) -> Tensor | None:

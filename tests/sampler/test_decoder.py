@@ -4,6 +4,8 @@ of rows routed to different adapters (and to none), then decoding steps on the c
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from transformers import (
@@ -20,6 +22,7 @@ from transformers.cache_utils import DynamicCache
 
 from services import lora_slots
 from services.lora_slots import NO_ADAPTER
+from services.sampler import decoder as lean
 from services.sampler.decoder import Decoder, why_not
 from tinsmith import lora, models
 
@@ -149,6 +152,37 @@ def _check(model: PreTrainedModel, vocab: int) -> None:
     # up) and the fifth (new rows), the same one otherwise.
     same = [buffers[i].data_ptr() == buffers[i - 1].data_ptr() for i in range(1, 6)]
     assert same == [True, True, False, False, True]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_its_norms_and_rotation_are_each_architectures_bit_for_bit(
+    arch: str, dtype: torch.dtype
+) -> None:
+    """On the CPU: each norm module as ``F.rms_norm`` (a GPU's fused kernel may round apart),
+    and the queries' and keys' rotation done together, equal to the modules' and the modelling
+    module's ``apply_rotary_pos_emb``."""
+    model = _model(CONFIGS[arch]).to(dtype)
+    layer = model.model.layers[0]
+    generator = torch.Generator().manual_seed(4)
+    hidden = (torch.randn(3, 5, SIZES["hidden_size"], generator=generator) * 3).to(dtype)
+    norms = [model.model.norm, layer.input_layernorm, layer.post_attention_layernorm]
+    for module in norms:
+        ours = lean._norm(module)
+        assert isinstance(ours, lean._RMSNorm), type(module).__name__
+        assert torch.equal(ours(hidden), module(hidden))
+    heads = layer.self_attn.q_proj(hidden).view(3, 5, -1, layer.self_attn.head_dim)
+    if arch == "qwen3":
+        assert torch.equal(lean._norm(layer.self_attn.q_norm)(heads), layer.self_attn.q_norm(heads))
+    q, k = heads.transpose(1, 2), heads[:, :, :2].transpose(1, 2)
+    positions = torch.arange(5).repeat(3, 1) + torch.tensor([[0], [3], [7]])
+    cos, sin = model.model.rotary_emb(hidden, positions)
+    modelling = sys.modules[type(layer).__module__]
+    want_q, want_k = modelling.apply_rotary_pos_emb(q, k, cos, sin)
+    both = lean._rotate(torch.cat((q, k), dim=1), cos.unsqueeze(1), sin.unsqueeze(1))
+    assert torch.equal(both[:, : q.shape[1]], want_q)
+    assert torch.equal(both[:, q.shape[1] :], want_k)
 
 
 def test_what_it_does_not_compute_runs_through_transformers() -> None:
