@@ -12,12 +12,10 @@ directly, with one attention mask per forward: 5.0 to 5.4 ms for the same step, 
 (``bench/sample_throughput.py`` measures what it gives through the system).
 
 The arithmetic is transformers': each projection and activation is the model's own module, the
-rotary embedding its ``rotary_emb``. The norms are the family's RMSNorm (the same in all four
-modelling modules, checked by class) as ``F.rms_norm`` in float32, then cast back and scaled by
-the norm's weight as the module does: one fused kernel on a GPU where the module launches seven;
-on the CPU torch decomposes it into the module's own operations (bit for bit). The rotation is the
-family's rotate-half formula (``apply_rotary_pos_emb``), applied to a layer's queries and keys
-together, one set of operations where transformers has two. Attention is
+rotary embedding its ``rotary_emb``. The norms are the family's RMSNorm as one ``F.rms_norm``
+call each (services/norms.py: bit for bit the module's on the CPU, one kernel on a GPU). The
+rotation is the family's rotate-half formula (``apply_rotary_pos_emb``), applied to a layer's
+queries and keys together, one set of operations where transformers has two. Attention is
 ``scaled_dot_product_attention`` with the module's ``scaling``, a single query position's heads
 grouped by key-value head (transformers' ``pack_gqa``), several positions' keys and values
 repeated per query head (its ``repeat_kv``). What differs is only where rounding can (a GPU's
@@ -48,16 +46,15 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from services import norms
+from services.norms import Norm
+
 # The decoder layers this forward computes exactly as transformers does: the same residual
 # pattern (norm, attention, residual; norm, MLP, residual), projections q/k/v/o and
 # gate/up/down, and, for Qwen3, a norm of each head's queries and keys before the rotation.
 LAYERS = frozenset(
     {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
 )
-# Their norms: ``weight * (x32 * rsqrt(mean(x32**2) + eps)).to(dtype)`` with x32 = x in float32.
-NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
-
-Norm = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -95,21 +92,21 @@ class Decoder:
         inner = model.get_decoder()  # type: ignore[no-untyped-call]
         self.model = model
         self.embed: nn.Module = inner.embed_tokens
-        self.norm = _norm(inner.norm)
+        self.norm = norms.fused(inner.norm)
         self.rotary: nn.Module = inner.rotary_emb
         self.head: nn.Module = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         config = model.config
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.layers = [
             _Layer(
-                input_norm=_norm(layer.input_layernorm),
+                input_norm=norms.fused(layer.input_layernorm),
                 q=layer.self_attn.q_proj,
                 k=layer.self_attn.k_proj,
                 v=layer.self_attn.v_proj,
                 o=layer.self_attn.o_proj,
                 q_norm=_maybe_norm(getattr(layer.self_attn, "q_norm", None)),
                 k_norm=_maybe_norm(getattr(layer.self_attn, "k_norm", None)),
-                post_norm=_norm(layer.post_attention_layernorm),
+                post_norm=norms.fused(layer.post_attention_layernorm),
                 gate=layer.mlp.gate_proj,
                 up=layer.mlp.up_proj,
                 down=layer.mlp.down_proj,
@@ -232,30 +229,8 @@ class Decoder:
         return layer.keys, layer.values
 
 
-class _RMSNorm:
-    """The family's RMSNorm module as ``F.rms_norm`` (``NORMS``): the same arithmetic, in one
-    call."""
-
-    def __init__(self, module: nn.Module, eps: float) -> None:
-        self.module = module
-        self.eps = eps
-
-    def __call__(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        weight = cast(Tensor, self.module.weight)  # read at each call: the module's own
-        return weight * normed.to(x.dtype)
-
-
-def _norm(module: nn.Module) -> Norm:
-    """``module`` as ``_RMSNorm`` where it is the family's RMSNorm, else the module itself."""
-    eps = getattr(module, "variance_epsilon", None)
-    if type(module).__name__ in NORMS and isinstance(eps, float):
-        return _RMSNorm(module, eps)
-    return cast(Norm, module)
-
-
 def _maybe_norm(module: nn.Module | None) -> Norm | None:
-    return None if module is None else _norm(module)
+    return None if module is None else norms.fused(module)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -90,7 +90,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from services import device, lora_slots
+from services import device, lora_slots, norms
 from services.device import DEVICE_VARIABLE, MEMORY_VARIABLE, Placement
 from services.lora_slots import NO_ADAPTER
 from tinsmith import lora, models
@@ -284,6 +284,7 @@ class TorchEngine:
                     f"({_weight_bytes(model) / 2**30:.1f} GiB of weights in {placement.dtype}): "
                     f"{str(exc).splitlines()[0]}"
                 ) from None
+            norms.fuse(model)
             config = json.loads((directory / "config.json").read_text())
             eos_ids = models.eos_ids_of(config)
             tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))

@@ -64,7 +64,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from services import device as devices
-from services import lora_slots
+from services import lora_slots, norms
 from services.device import MEMORY_VARIABLE, Placement
 from services.lora_slots import Slots
 from tinsmith import artifacts, limits, models
@@ -401,6 +401,7 @@ class TrainerEngine:
         model.requires_grad_(False)
         model.eval()  # type: ignore[no-untyped-call]
         model.to(self.placement.device)  # type: ignore[arg-type]
+        norms.fuse(model)
         tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
         head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         assert isinstance(head, torch.nn.Linear)

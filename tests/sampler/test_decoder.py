@@ -155,26 +155,15 @@ def _check(model: PreTrainedModel, vocab: int) -> None:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_its_norms_and_rotation_are_each_architectures_bit_for_bit(
-    arch: str, dtype: torch.dtype
+def test_its_rotation_of_queries_and_keys_together_is_each_architectures_bit_for_bit(
+    arch: str,
 ) -> None:
-    """On the CPU: each norm module as ``F.rms_norm`` (a GPU's fused kernel may round apart),
-    and the queries' and keys' rotation done together, equal to the modules' and the modelling
-    module's ``apply_rotary_pos_emb``."""
-    model = _model(CONFIGS[arch]).to(dtype)
+    model = _model(CONFIGS[arch])
     layer = model.model.layers[0]
     generator = torch.Generator().manual_seed(4)
-    hidden = (torch.randn(3, 5, SIZES["hidden_size"], generator=generator) * 3).to(dtype)
-    norms = [model.model.norm, layer.input_layernorm, layer.post_attention_layernorm]
-    for module in norms:
-        ours = lean._norm(module)
-        assert isinstance(ours, lean._RMSNorm), type(module).__name__
-        assert torch.equal(ours(hidden), module(hidden))
+    hidden = torch.randn(3, 5, SIZES["hidden_size"], generator=generator)
     heads = layer.self_attn.q_proj(hidden).view(3, 5, -1, layer.self_attn.head_dim)
-    if arch == "qwen3":
-        assert torch.equal(lean._norm(layer.self_attn.q_norm)(heads), layer.self_attn.q_norm(heads))
     q, k = heads.transpose(1, 2), heads[:, :, :2].transpose(1, 2)
     positions = torch.arange(5).repeat(3, 1) + torch.tensor([[0], [3], [7]])
     cos, sin = model.model.rotary_emb(hidden, positions)
