@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -455,12 +456,12 @@ class SlotLinear(nn.Module):
             if len(members) == 1:
                 slot, index, _ = members[0]
                 a, b = self._own(slot, klass, index)
-                hidden, scale = flat @ a.T, self.slots.scales[slot]
+                hidden, scale = F.linear(flat, a), self.slots.scales[slot]
                 if out.dtype == torch.float32 and not torch.is_grad_enabled():
                     # The product, its scale and the sum in one call: out += scale x hidden B^T.
                     out[start:end].view(-1, out.shape[-1]).addmm_(hidden, b.T, alpha=scale)
                     continue
-                delta = (hidden @ b.T) * scale
+                delta = F.linear(hidden, b) * scale
             else:
                 a, b = self._pairs(klass, [(slot, index) for slot, index, _ in members])
                 per_row = flat.shape[0] // piece.shape[0]  # tokens per row
