@@ -5,9 +5,9 @@ transformers' module computes ``weight * (x32 * rsqrt(mean(x32 ** 2) + eps)).to(
 x32 the input in float32, in seven operations, and its backward in as many again: on a GPU, where
 both engines spend their time launching kernels (docs/performance.md), torch's fused norm is one
 kernel each way, then the cast back and the weight's product as the module applies them. On the
-CPU torch
-computes ``F.rms_norm`` with the module's own operations, so the outputs and the gradients are
-bit for bit the module's (tested); a GPU's fused kernel sums the squares in its own order.
+CPU torch computes ``F.rms_norm`` with the module's own operations, so the outputs and the
+gradients are bit for bit the module's (tested); a GPU's fused kernel sums the squares in its own
+order.
 
 Owns: which norm modules are the family's (by class), and computing them fused. Does not own:
 where the norms are called (the models' forwards; services/sampler/decoder.py).

@@ -1012,10 +1012,10 @@ class _Aside:
     """A run's AdamW step computed beside the run: for each of its stepped parameters, the new
     weights, moments and step count. Nothing of the run changes until ``commit``."""
 
-    weights: list[torch.Tensor] = field(default_factory=list)
-    exp_avgs: list[torch.Tensor] = field(default_factory=list)
-    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
-    counts: list[float] = field(default_factory=list)
+    weights: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    counts: list[float]
 
     def commit(self, step: _Step) -> None:
         """Make the step the run's: its weights (in place, as they alias the slot stacks) and
@@ -1044,36 +1044,24 @@ def _adamw_aside(steps: Sequence[_Step]) -> list[_Aside]:
     parameter steps with its own run's moments and step count, so each run gets what it gets
     alone. Computing aside, not in place, is what lets a step that would make a weight
     non-finite be refused with nothing to undo."""
-    asides = [
-        _Aside(
-            [torch.empty(0)] * len(step.names),
-            [torch.empty(0)] * len(step.names),
-            [torch.empty(0)] * len(step.names),
-            [0.0] * len(step.names),
-        )
-        for step in steps
-    ]
+    by_step: list[list[_Member]] = []
     groups: dict[tuple[float, ...], list[_Member]] = {}
-    for step, aside in zip(steps, asides, strict=True):
+    for step in steps:
         settings = step.hyperparameters()
         key = (settings["lr"], *settings["betas"], settings["eps"], settings["weight_decay"])
         held = step.run.optimizer.state
-        for index, (param, grad) in enumerate(zip(step.params, step.grads, strict=True)):
-            state = held.get(param)
+        members = []
+        for param, grad in zip(step.params, step.grads, strict=True):
+            weight, state = param.detach(), held.get(param)
             if state:
-                member = _Member(
-                    aside,
-                    index,
-                    param.detach(),
-                    grad,
-                    state["exp_avg"],
-                    state["exp_avg_sq"],
-                    float(state["step"]) + 1,
-                )
+                count = float(state["step"]) + 1
+                member = _Member(weight, grad, state["exp_avg"], state["exp_avg_sq"], count)
             else:  # AdamW's first step: zero moments
-                zeros = torch.zeros_like(param.detach())
-                member = _Member(aside, index, param.detach(), grad, zeros, zeros, 1.0)
+                zeros = torch.zeros_like(weight)
+                member = _Member(weight, grad, zeros, zeros, 1.0)
+            members.append(member)
             groups.setdefault(key, []).append(member)
+        by_step.append(members)
     for (lr, beta1, beta2, eps, weight_decay), members in groups.items():
         params = [m.param for m in members]
         grads = [m.grad for m in members]
@@ -1094,25 +1082,28 @@ def _adamw_aside(steps: Sequence[_Step]) -> list[_Aside]:
         for m, weight, exp_avg, exp_avg_sq in zip(
             members, weights, exp_avgs, exp_avg_sqs, strict=True
         ):
-            m.aside.weights[m.index] = weight
-            m.aside.exp_avgs[m.index] = exp_avg
-            m.aside.exp_avg_sqs[m.index] = exp_avg_sq
-            m.aside.counts[m.index] = m.count
-    return asides
+            m.param, m.exp_avg, m.exp_avg_sq = weight, exp_avg, exp_avg_sq
+    return [
+        _Aside(
+            [m.param for m in members],
+            [m.exp_avg for m in members],
+            [m.exp_avg_sq for m in members],
+            [m.count for m in members],
+        )
+        for members in by_step
+    ]
 
 
 @dataclass
 class _Member:
-    """A parameter in ``_adamw_aside``'s multi-tensor step: where its results go (its run's
-    aside, at its place among the run's stepped parameters), and what it steps from."""
+    """A parameter in ``_adamw_aside``'s multi-tensor step: its weights, gradient, moments and
+    step count after this step; the weights and moments are replaced by the step's new ones."""
 
-    aside: _Aside
-    index: int
     param: torch.Tensor
     grad: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
-    count: float  # the step count after this step
+    count: float
 
 
 def _moves(steps: Sequence[_Step], asides: Sequence[_Aside]) -> list[list[float]]:
