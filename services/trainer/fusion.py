@@ -2,18 +2,31 @@
 ready at the same time run as one pass of the engine (``TrainerEngine.forward_backward_together``),
 and their optim_steps as one AdamW step (``TrainerEngine.optim_step_together``).
 
-Owns: the requests waiting for the compute thread, and which go together. Each run has at most one
-request in flight (its requests run in seq_id order), so while the compute thread works, the other
-runs' next requests gather here; when it is idle (nothing runs on it or waits for it), the one that
-waited longest goes, with every other waiting request of the same kind (forward, forward_backward
-or optim_step) of another run: for a pass, those on the same base model up to ``token_budget``
-tokens in all; for a step, all of them. Only requests of at most ``request_tokens`` tokens are
-fused into a pass: on the CPU, past that a pass's cost grows faster than its rows and fusing gains
-little; a GPU's passes cost their launches more than their tokens, and fusing pays at every size
-measured (``default_limits``). A request alone, or
-one the engine would not run together (it does not fit the memory budget in one pass, say), runs
-alone through ``alone`` (the handlers' path, which makes room on the device when it must).
-Nothing waits for company: a request that finds the thread free runs at once.
+Owns: the requests waiting for the compute thread, their order, and which go together. Each run
+has at most one request in flight (its requests run in seq_id order), so while the compute thread
+works, the other runs' next requests gather here; when it is idle (nothing runs on it or waits for
+it), the one that waited longest goes, with every other waiting request of the same kind (forward,
+forward_backward or optim_step) of another run: for a pass, those on the same base model up to
+``token_budget`` tokens in all; for a step, all of them.
+
+A request waits from when its run's order let it go (``Ask.since``), except an optim_step, which
+keeps the place of its run's forward_backward (handlers.py): it finishes the step that pass began.
+Without that, the optim_steps of runs whose passes just ended queued behind every pass that other
+runs had asked for meanwhile, so that each run's step ended only once every run had had its pass;
+with several RL jobs the runs then left the trainer together, sampled and waited for their
+rewards together, and came back together, leaving the trainer idle in between (lockstep). A run's
+next request reaches the fuser some milliseconds after its previous one ended (its outcome is
+recorded, the next is read from the log), so after a pass or a step the fuser gives the runs it
+served whose next fused request is already waiting in their order (``follows``) until it comes,
+at most ``RETURN_WAIT_S``, before it chooses what goes next.
+
+Only requests of at most ``request_tokens`` tokens are fused into a pass: on the CPU, past that a
+pass's cost grows faster than its rows and fusing gains little; a GPU's passes cost their
+launches more than their tokens, and fusing pays at every size measured (``default_limits``). A
+request alone, or one the engine would not run together (it does not fit the memory budget in
+one pass, say), runs alone through ``alone`` (the handlers' path, which makes room on the device
+when it must). Nothing waits for company: a request that finds the thread free runs at once,
+unless a run just served is about to hand over its next request (above).
 
 Each request keeps its own outcome (an invalid or non-finite one fails alone) and its own trace:
 the fused work's compute span is a child of the first request's, is linked to the others', and
@@ -25,7 +38,9 @@ Does not own: the torch math (engine.py), or a run's order of requests (handlers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -41,6 +56,8 @@ from tinsmith.compute import ComputeThread
 from .engine import TrainerEngine
 
 OPTIM_STEP = "optim_step"
+# The longest the fuser waits for the runs it just served to hand it their next request.
+RETURN_WAIT_S = 0.05
 
 
 @dataclass(eq=False)  # one request: equal only to itself
@@ -52,6 +69,9 @@ class Ask:
     work: tp.ForwardBackwardRequest | bus.AdamParams
     tokens: int  # a step's: 0
     attributes: telemetry.Attributes
+    # Its place in line (``time.monotonic``): when its run's order let it go, or for an
+    # optim_step, when its run's forward_backward did.
+    since: float = field(default_factory=time.monotonic)
     context: contextvars.Context = field(default_factory=contextvars.copy_context)
     future: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -89,17 +109,23 @@ class Fuser:
         alone: Callable[[Ask], Coroutine[Any, Any, Any]],
         token_budget: int,
         request_tokens: int,
+        follows: Callable[[str], bool] = lambda model_id: False,
     ) -> None:
         """``alone(ask)`` runs one request by itself and returns its result; ``token_budget``:
         the most tokens of one fused pass (0: never fuse, steps neither); ``request_tokens``: the
-        most tokens of a request that is fused with others."""
+        most tokens of a request that is fused with others; ``follows(model_id)``: whether the
+        run's next request, already waiting in its order, comes here (a forward_backward,
+        forward or optim_step)."""
         self.compute = compute
         self.engine = engine
         self.alone = alone
         self.token_budget = token_budget
         self.request_tokens = request_tokens
+        self.follows = follows
         self._waiting: list[Ask] = []
         self._draining = False
+        self._returning: set[str] = set()  # runs just served whose next request is coming
+        self._came = asyncio.Event()
         self.fused_passes = 0  # passes that carried more than one run's request
         self.fused_steps = 0  # AdamW steps that stepped more than one run
 
@@ -115,8 +141,16 @@ class Fuser:
         metrics: dict[str, float] = await self._submit(ask)
         return metrics
 
+    def release(self, model_id: str) -> None:
+        """The run hands nothing more to the fuser for now (its next request went elsewhere, or
+        it has none): do not wait for it."""
+        if model_id in self._returning:
+            self._returning.discard(model_id)
+            self._came.set()
+
     async def _submit(self, ask: Ask) -> Any:
         self._waiting.append(ask)
+        self.release(ask.model_id)
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
@@ -134,7 +168,9 @@ class Fuser:
         )
 
     def _take(self) -> list[Ask]:
-        """The request that waited longest, and the waiting requests that go with it."""
+        """The request that waited longest, and the waiting requests that go with it (those
+        that waited longest first, while the pass has room)."""
+        self._waiting.sort(key=lambda ask: ask.since)  # stable: equal places keep their order
         first = self._waiting[0]
         group, tokens = [first], first.tokens
         for ask in self._waiting[1:]:
@@ -153,6 +189,7 @@ class Fuser:
             while self._waiting:
                 # Other work on the thread (a save, a snapshot) gives more requests time to come.
                 await self.compute.idle()
+                await self._returned()
                 group = self._take()
                 pending = [ask for ask in group if not ask.future.done()]  # cancelled: skip
                 if len(pending) > 1:
@@ -161,6 +198,18 @@ class Fuser:
                     await self._settle(ask)
         finally:
             self._draining = False
+
+    async def _returned(self) -> None:
+        """Wait until the runs just served have handed over their next requests (or gone
+        elsewhere), at most ``RETURN_WAIT_S``."""
+        self._returning.difference_update(ask.model_id for ask in self._waiting)  # here already
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RETURN_WAIT_S
+        while self._returning and loop.time() < deadline:
+            self._came.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._came.wait(), deadline - loop.time())
+        self._returning.clear()
 
     async def _together(self, group: list[Ask]) -> list[Ask]:
         """Run ``group`` as one pass or one step; return the requests left to run alone."""
@@ -197,12 +246,8 @@ class Fuser:
         for ask, result in zip(group, results, strict=True):
             if result is None:
                 left.append(ask)
-            elif ask.future.done():
-                continue
-            elif isinstance(result, Exception):
-                ask.future.set_exception(result)
             else:
-                ask.future.set_result(result)
+                self._deliver(ask, result)
         return left
 
     async def _settle(self, ask: Ask) -> None:
@@ -211,8 +256,18 @@ class Fuser:
             work = self.alone(ask)
             result = await asyncio.get_running_loop().create_task(work, context=ask.context)
         except Exception as exc:
-            if not ask.future.done():
-                ask.future.set_exception(exc)
+            self._deliver(ask, exc)
             return
-        if not ask.future.done():
-            ask.future.set_result(result)
+        self._deliver(ask, result)
+
+    def _deliver(self, ask: Ask, outcome: Any) -> None:
+        """Hand ``ask`` its result (an exception: its failure), noting first whether its run's
+        next request will come here (``_returned`` waits for it)."""
+        if ask.future.done():  # cancelled
+            return
+        if self.follows(ask.model_id):
+            self._returning.add(ask.model_id)
+        if isinstance(outcome, Exception):
+            ask.future.set_exception(outcome)
+        else:
+            ask.future.set_result(outcome)

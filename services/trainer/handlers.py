@@ -97,6 +97,8 @@ _TRANSIENT = (
     nats.errors.StaleConnectionError,
     nats.js.errors.ServiceUnavailableError,
 )
+# The commands the fuser takes (fusion.py); a forward is a forward_backward request.
+_FUSED = frozenset({"forward_backward", "optim_step"})
 # The commands whose execution changes a run's state: re-executed when a run is rebuilt.
 _STATEFUL = frozenset({"create_model", "load_weights", "forward_backward", "optim_step"})
 
@@ -124,6 +126,9 @@ class _RunQueue:
     steps: int = 0  # optimizer steps since the latest snapshot
     snapshots: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot at a time
     used: float = field(default_factory=time.monotonic)  # when its latest request began
+    # When the run's step began waiting for the compute thread: its first forward_backward since
+    # its last optim_step (None: no forward_backward since). The optim_step keeps that place.
+    step_since: float | None = None
 
 
 class Trainer:
@@ -151,7 +156,9 @@ class Trainer:
             pass_limit = config.fuse_tokens
         if config.fuse_request_tokens is not None:
             request_limit = config.fuse_request_tokens
-        self.fuser = Fuser(self.compute, engine, self._alone, pass_limit, request_limit)
+        self.fuser = Fuser(
+            self.compute, engine, self._alone, pass_limit, request_limit, self._follows
+        )
         self.fleet = Fleet(
             bus_,
             config.replica or bus_.replica,
@@ -263,6 +270,16 @@ class Trainer:
         if not queue.busy and not queue.lost and not self.stopping:
             queue.busy = True
             self.bus.spawn(self._advance(model_id, queue))
+
+    def _follows(self, model_id: str) -> bool:
+        """Whether the run's next request is here, in its order right after the one running
+        now, and is one the fuser takes."""
+        queue = self.queues.get(model_id)
+        if queue is None or queue.lost or self.stopping:
+            return False
+        work = queue.pending.get(queue.next_seq + 1)
+        state = self.projection.state.requests.get(work.request_id) if work else None
+        return state is not None and state.command in _FUSED
 
     def _waiting_runs(self) -> list[str]:
         """The runs with requests not yet settled."""
@@ -406,6 +423,7 @@ class Trainer:
                 queue.next_seq = work.seq_id + 1
         finally:
             queue.busy = False
+            self.fuser.release(model_id)
             self._quiet.set()
             self._reaper_wake.set()
 
@@ -811,6 +829,8 @@ class Trainer:
             "tinsmith.tokens": tokens,
         }
         ask = Ask(accepted.aggregate_id, queue.create.base_model, request, tokens, attributes)
+        if not request.forward_only and queue.step_since is None:
+            queue.step_since = ask.since
         output = await self.fuser.forward_backward(ask)
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         # What the catalog keeps of it per step: the loss's metrics, and what it trained on. A
@@ -846,7 +866,9 @@ class Trainer:
             accepted.optim_step.adam,
             0,
             self._attributes(model_id),
+            since=queue.step_since if queue.step_since is not None else time.monotonic(),
         )
+        queue.step_since = None
         metrics = await self.fuser.optim_step(ask)
         return _json({"type": "optim_step", "metrics": metrics}, metrics)
 

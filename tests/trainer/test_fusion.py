@@ -19,7 +19,7 @@ from services.trainer.engine import TrainerEngine
 from services.trainer.fusion import default_limits
 from tests.trainer.test_memory import TINY, _engine, _outputs, _request
 from tests.trainer.test_work_loop import Harness, _batch, _diverging
-from tinsmith import jobs
+from tinsmith import events, jobs, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.eventlog import EventLog
@@ -374,3 +374,49 @@ async def test_requests_the_settings_keep_apart_run_alone(
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
         assert trainer.fuser.fused_steps == (0 if settings.get("fuse_tokens") == 0 else 1)
+
+
+async def _completions(harness: Harness) -> list[str]:
+    """Every request's outcome in the order the log recorded them, as ``model:seq_id``."""
+    order = []
+    log = harness.eventlog.bus
+    for seq in range(1, await log.last_seq(subjects.EVENTS_STREAM) + 1):
+        event = events.decode(await log.get(subjects.EVENTS_STREAM, seq))
+        kind = events.kind_of(event)
+        if kind in ("request_completed", "request_failed"):
+            order.append(getattr(event, kind).request_id)
+    return order
+
+
+@pytest.mark.parametrize("fuse_tokens", [0, 44], ids=["each alone", "two a pass"])
+async def test_a_runs_optim_step_goes_before_passes_asked_for_after_its_own(
+    harness: Harness, fuse_tokens: int
+) -> None:
+    """Two runs ask for a forward_backward and an optim_step, then a third run for a
+    forward_backward, while the compute thread is busy. Each run's optim_step keeps its
+    forward_backward's place in line, so both runs' steps end before the third run's pass: the
+    runs do not wait for every other run's pass before their own step ends (lockstep). With 44
+    tokens a pass, the first two passes are fused (22 tokens each), and so are their steps."""
+    async with harness.trainer(fuse_tokens=fuse_tokens) as trainer:
+        created = [await harness.create(m) for m in ("ra", "rb", "rc")]
+        await harness.settled(*created)
+        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 0.5))
+        await asyncio.sleep(0.1)
+        step = bus.OptimStep(adam=FUSED_ADAM)
+        asked = []
+        for n, m in enumerate(("ra", "rb")):
+            asked.append(await harness.accept(m, 1, forward_backward=_batch(n)))
+            asked.append(await harness.accept(m, 2, optim_step=step))
+        asked.append(await harness.accept("rc", 1, forward_backward=_batch(2)))
+        await busy
+        outcomes = await harness.settled(*asked)
+        assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
+        order = [rid for rid in await _completions(harness) if rid in asked]
+        if fuse_tokens:  # one pass, one step: their outcomes are recorded in either order
+            assert [set(order[:2]), set(order[2:4])] == [{"ra:1", "rb:1"}, {"ra:2", "rb:2"}]
+        else:
+            assert order[:4] == ["ra:1", "ra:2", "rb:1", "rb:2"]
+        assert order[4] == "rc:1"
+        assert (trainer.fuser.fused_passes, trainer.fuser.fused_steps) == (
+            (1, 1) if fuse_tokens else (0, 0)
+        )
