@@ -64,6 +64,8 @@ _RECEIVE_LIMIT = 64 * 1024 * 1024
 # Why a sample request was cancelled, as its future's failure says.
 _DEADLINE = "its gRPC call's deadline passed before it finished"
 _CLIENT = "its gRPC client cancelled the call"
+# How close to its deadline a call may end and still count as having reached it (``_expired``).
+_DEADLINE_SLACK_S = 0.25
 
 
 class _Undecodable:
@@ -363,8 +365,12 @@ class GrpcFace:
 
 
 def _expired(context: Any) -> bool:
+    """Whether the call ended at its deadline. A client whose deadline passes cancels the call
+    itself, and under load its cancellation can reach the server before the server's copy of the
+    deadline (counted from when the call arrived) runs out: a call that ends within
+    ``_DEADLINE_SLACK_S`` of its deadline is taken to have reached it."""
     remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0
+    return remaining is not None and remaining <= _DEADLINE_SLACK_S
 
 
 def _key(context: Any) -> str | None:
