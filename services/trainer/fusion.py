@@ -109,7 +109,7 @@ class Fuser:
         alone: Callable[[Ask], Coroutine[Any, Any, Any]],
         token_budget: int,
         request_tokens: int,
-        follows: Callable[[str], bool] = lambda model_id: False,
+        follows: Callable[[str], bool],
     ) -> None:
         """``alone(ask)`` runs one request by itself and returns its result; ``token_budget``:
         the most tokens of one fused pass (0: never fuse, steps neither); ``request_tokens``: the

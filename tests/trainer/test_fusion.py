@@ -19,7 +19,7 @@ from services.trainer.engine import TrainerEngine
 from services.trainer.fusion import default_limits
 from tests.trainer.test_memory import TINY, _engine, _outputs, _request
 from tests.trainer.test_work_loop import Harness, _batch, _diverging
-from tinsmith import events, jobs, subjects
+from tinsmith import jobs
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.eventlog import EventLog
@@ -376,18 +376,6 @@ async def test_requests_the_settings_keep_apart_run_alone(
         assert trainer.fuser.fused_steps == (0 if settings.get("fuse_tokens") == 0 else 1)
 
 
-async def _completions(harness: Harness) -> list[str]:
-    """Every request's outcome in the order the log recorded them, as ``model:seq_id``."""
-    order = []
-    log = harness.eventlog.bus
-    for seq in range(1, await log.last_seq(subjects.EVENTS_STREAM) + 1):
-        event = events.decode(await log.get(subjects.EVENTS_STREAM, seq))
-        kind = events.kind_of(event)
-        if kind in ("request_completed", "request_failed"):
-            order.append(getattr(event, kind).request_id)
-    return order
-
-
 @pytest.mark.parametrize("fuse_tokens", [0, 44], ids=["each alone", "two a pass"])
 async def test_a_runs_optim_step_goes_before_passes_asked_for_after_its_own(
     harness: Harness, fuse_tokens: int
@@ -411,7 +399,7 @@ async def test_a_runs_optim_step_goes_before_passes_asked_for_after_its_own(
         await busy
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
-        order = [rid for rid in await _completions(harness) if rid in asked]
+        order = [rid for _, rid in await harness.outcomes() if rid in asked]
         if fuse_tokens:  # one pass, one step: their outcomes are recorded in either order
             assert [set(order[:2]), set(order[2:4])] == [{"ra:1", "rb:1"}, {"ra:2", "rb:2"}]
         else:

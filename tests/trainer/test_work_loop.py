@@ -110,8 +110,8 @@ class Harness:
             assert time.monotonic() < deadline, "timed out"
             await asyncio.sleep(0.02)
 
-    async def completion_order(self, model_id: str) -> list[int]:
-        """The seq_ids of the run's outcomes, in the order they were recorded."""
+    async def outcomes(self) -> list[tuple[str, str]]:
+        """The run and request id of every outcome, in the order the log recorded them."""
         order = []
         log = self.eventlog.bus
         for seq in range(1, await log.last_seq(subjects.EVENTS_STREAM) + 1):
@@ -119,9 +119,16 @@ class Harness:
             kind = events.kind_of(event)
             if kind in ("request_completed", "request_failed"):
                 body = getattr(event, kind)
-                if body.aggregate_id == model_id:
-                    order.append(int(body.request_id.rsplit(":", 1)[1]))
+                order.append((body.aggregate_id, body.request_id))
         return order
+
+    async def completion_order(self, model_id: str) -> list[int]:
+        """The seq_ids of the run's outcomes, in the order they were recorded."""
+        return [
+            int(request_id.rsplit(":", 1)[1])
+            for run, request_id in await self.outcomes()
+            if run == model_id
+        ]
 
 
 @pytest.fixture
