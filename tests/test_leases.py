@@ -112,11 +112,17 @@ async def test_a_dead_holder_s_runs_are_orphaned_after_its_lease_or_at_once_on_r
 
 async def test_a_replica_started_with_another_lease_sets_the_bucket_s(connect: object) -> None:
     """The replicas' bucket expires entries after the lease it was made with; a replica started
-    with another TINSMITH_TRAINER_LEASE_S sets it, so that a changed setting takes effect."""
+    with another TINSMITH_TRAINER_LEASE_S sets it, so that a changed setting takes effect, a
+    shorter one included (the bucket's duplicate window shortens with it)."""
     assert callable(connect)
-    first = await connect(f"lease-a-{uuid.uuid4().hex[:6]}", ttl_s=1.0)
     bucket = f"KV_{subjects.TRAINERS_BUCKET}"
-    assert (await first.fleet.bus.js.stream_info(bucket)).config.max_age == 1.0
+    probe = await connect(f"lease-probe-{uuid.uuid4().hex[:6]}", ttl_s=1.0)
+    await probe.fleet.bus.js.delete_key_value(subjects.TRAINERS_BUCKET)
+    made = await connect(f"lease-made-{uuid.uuid4().hex[:6]}", ttl_s=3.0)  # the default lease
+    assert (await made.fleet.bus.js.stream_info(bucket)).config.duplicate_window == 3.0
+    first = await connect(f"lease-a-{uuid.uuid4().hex[:6]}", ttl_s=1.0)
+    config = (await first.fleet.bus.js.stream_info(bucket)).config
+    assert (config.max_age, config.duplicate_window) == (1.0, 1.0)
     await connect(f"lease-b-{uuid.uuid4().hex[:6]}", ttl_s=2.5)
     assert (await first.fleet.bus.js.stream_info(bucket)).config.max_age == 2.5
     await connect(f"lease-c-{uuid.uuid4().hex[:6]}", ttl_s=1.0)  # as the other tests have it

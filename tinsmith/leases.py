@@ -354,6 +354,10 @@ class Fleet:
             ttl,
         )
         config.max_age = ttl
+        # The server refuses a duplicate window longer than the entries live (a bucket made
+        # with a longer lease has one as long as that lease).
+        if config.duplicate_window and config.duplicate_window > ttl:
+            config.duplicate_window = ttl
         await self.bus.js.update_stream(config)
 
     async def _follow(
