@@ -190,12 +190,16 @@ class EventLog:
         worker: str,
         epoch: int = 0,
         confirm: Callable[[], Awaitable[bool]] | None = None,
+        before_recording: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Run a request's work and record its outcome: the result, or a failure whose kind
         says whose fault it was (a result too large to store is the request's: it fails with
         ``ResultTooLarge``). An unexpected exception is a server fault, logged in full.
-        ``confirm``, asked before recording: whether the worker may still record for the
-        aggregate (a trainer that lost its hold on the run records nothing)."""
+        ``before_recording``, awaited once the work is done and before anything is recorded
+        (a trainer waits there for the outcome of the run's previous request to be recorded;
+        what it raises propagates, and nothing is recorded). ``confirm``, asked before
+        recording: whether the worker may still record for the aggregate (a trainer that lost
+        its hold on the run records nothing)."""
         started = time.perf_counter()
         began = time.time()
         command = events.command_of(accepted)
@@ -212,6 +216,9 @@ class EventLog:
             log.exception("request %s failed in the %s", accepted.request_id, worker)
             failure = InternalError(f"{command} failed in the {worker}: {exc}")
         else:
+            compute_seconds = time.perf_counter() - started
+            if before_recording is not None:
+                await before_recording()
             if confirm is not None and not await confirm():
                 log.warning(
                     "request %s ran, but its run is held elsewhere now", accepted.request_id
@@ -226,7 +233,7 @@ class EventLog:
                         outcome.body,
                         outcome.media_type,
                         request_aggregate=request_aggregate,
-                        compute_seconds=time.perf_counter() - started,
+                        compute_seconds=compute_seconds,
                         epoch=epoch,
                         metrics=outcome.metrics,
                         started=began,
@@ -243,6 +250,8 @@ class EventLog:
                 telemetry.work_done(command, time.perf_counter() - started)
                 return
         telemetry.record_error(trace.get_current_span(), failure.kind, failure.detail)
+        if before_recording is not None:
+            await before_recording()
         if confirm is not None and not await confirm():
             return
         await self._durably(

@@ -103,6 +103,11 @@ _FUSED = frozenset({"forward_backward", "optim_step"})
 _STATEFUL = frozenset({"create_model", "load_weights", "forward_backward", "optim_step"})
 
 
+class _Unrecorded(Exception):
+    """The run's previous request could not be recorded (the trainer is stopping, or lost the
+    run): nothing after it is recorded either."""
+
+
 @dataclass
 class _Work:
     """A request of a run, held until its seq_id's turn: where it is in the log."""
@@ -126,6 +131,8 @@ class _RunQueue:
     steps: int = 0  # optimizer steps since the latest snapshot
     snapshots: asyncio.Lock = field(default_factory=asyncio.Lock)  # one snapshot at a time
     used: float = field(default_factory=time.monotonic)  # when its latest request began
+    # The message of the run's next request, being read while the request before it runs.
+    read_ahead: tuple[int, asyncio.Future[tuple[bytes, Context, int]]] | None = None
     # When the run's step began waiting for the compute thread: its first forward_backward since
     # its last optim_step (None: no forward_backward since). The optim_step keeps that place.
     step_since: float | None = None
@@ -407,27 +414,89 @@ class Trainer:
     async def _advance(self, model_id: str, queue: _RunQueue) -> None:
         """Take the run's requests while the next seq_id is here; later ones wait for it. Each
         one that comes to its turn ends with an outcome and spends its seq_id, whatever
-        happens to it."""
+        happens to it. A request's outcome is recorded while the run's next request runs
+        (``_begin``); the outcomes are recorded in seq_id order all the same."""
+        # The settlings of the latest request and of the one before it. At most one outcome is
+        # being recorded while the next request runs.
+        earlier: asyncio.Task[bool] | None = None
+        behind: asyncio.Task[bool] | None = None
         try:
             if queue.restore_from and not queue.lost:
                 await self._restore(model_id, queue)
-            while queue.next_seq in queue.pending and not self.stopping and not queue.lost:
-                work = queue.pending.pop(queue.next_seq)
-                try:
-                    await self._turn(model_id, queue, work)
-                except Exception as exc:
-                    if queue.lost:
+            while not self.stopping and not queue.lost:
+                work = queue.pending.pop(queue.next_seq, None)
+                if work is None:
+                    # Nothing to run yet: the next request may come while the latest outcomes
+                    # are recorded, and it runs here too.
+                    if behind is None:
                         break
-                    if not await self._record_failure(model_id, queue, work, exc):
-                        break  # stopping: the run's next holder takes it
+                    settled = [await task for task in (earlier, behind) if task is not None]
+                    earlier = behind = None
+                    if not all(settled):
+                        break
+                    continue
+                if earlier is not None and not await earlier:
+                    queue.pending[work.seq_id] = work
+                    break  # stopping: the run's next holder takes it
+                earlier, behind = behind, await self._begin(model_id, queue, work, behind)
+                if behind.done() and not behind.result():
+                    break
                 queue.next_seq = work.seq_id + 1
         finally:
+            for task in (earlier, behind):
+                if task is not None:
+                    await task
             queue.busy = False
             self.fuser.release(model_id)
             self._quiet.set()
             self._reaper_wake.set()
 
-    async def _turn(self, model_id: str, queue: _RunQueue, work: _Work) -> None:
+    async def _begin(
+        self, model_id: str, queue: _RunQueue, work: _Work, behind: asyncio.Task[bool] | None
+    ) -> asyncio.Task[bool]:
+        """Start the request's turn after ``behind`` (the settling of the run's previous
+        request, still recording its outcome, or None), and return its settling once its work
+        is done: the run's next request can run while its outcome is recorded. A request
+        whose work is followed by a snapshot (``_execute``) settles before this returns."""
+        computed = asyncio.Event()
+        turn = asyncio.ensure_future(self._turn(model_id, queue, work, behind, computed.set))
+        settling = asyncio.ensure_future(self._settled(model_id, queue, work, turn, behind))
+        done = asyncio.ensure_future(computed.wait())
+        try:
+            await asyncio.wait((settling, done), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+        return settling
+
+    async def _settled(
+        self,
+        model_id: str,
+        queue: _RunQueue,
+        work: _Work,
+        turn: Awaitable[None],
+        behind: asyncio.Task[bool] | None,
+    ) -> bool:
+        """Wait for the request's turn to end with its outcome recorded; what went wrong around
+        it is recorded as its failure (after ``behind``'s outcome). False when the trainer began
+        to stop (or lost the run) before it could record it: the run advances no further."""
+        try:
+            await turn
+        except _Unrecorded:
+            return False
+        except Exception as exc:
+            if queue.lost or (behind is not None and not await behind):
+                return False
+            return await self._record_failure(model_id, queue, work, exc)
+        return True
+
+    async def _turn(
+        self,
+        model_id: str,
+        queue: _RunQueue,
+        work: _Work,
+        behind: asyncio.Task[bool] | None,
+        computed: Callable[[], None],
+    ) -> None:
         """The request's turn: re-execute it to rebuild the state if its outcome is recorded,
         fail it if the run cannot be rebuilt or it is the likely poison, else run it."""
         if not work.request_id:
@@ -440,9 +509,7 @@ class Trainer:
             and (state.status is not jobs.Status.COMPLETED or state.command not in _STATEFUL)
         ):
             return  # a failure changed nothing, nor did a forward or a save
-        data, trace, stored_ns = await self._patiently(
-            lambda: self.bus.get_message(subjects.EVENTS_STREAM, work.log_seq)
-        )
+        data, trace, stored_ns = await self._read(queue, work)
         accepted = events.decode(data).request_accepted
         if recorded:
             await self._replay(accepted, queue)
@@ -456,7 +523,34 @@ class Trainer:
                 f"that died before recording an outcome; request {work.request_id} is failed so "
                 "that it cannot take down more of them. If it did not cause that, send it again"
             )
-        await self._execute(accepted, trace, stored_ns, queue)
+
+        async def after_behind() -> None:
+            if behind is not None and not await behind:
+                raise _Unrecorded
+
+        following = queue.pending.get(work.seq_id + 1)
+        if following is not None and following.request_id:
+            # Read while this one runs, so that it can start as soon as this one is done.
+            ahead = asyncio.ensure_future(
+                self.bus.get_message(subjects.EVENTS_STREAM, following.log_seq)
+            )
+            ahead.add_done_callback(lambda read: read.cancelled() or read.exception())
+            queue.read_ahead = (following.log_seq, ahead)
+        await self._execute(accepted, trace, stored_ns, queue, after_behind, computed)
+
+    async def _read(self, queue: _RunQueue, work: _Work) -> tuple[bytes, Context, int]:
+        """The request's message in the log (read ahead while the run's previous one ran, or
+        now)."""
+        ahead, queue.read_ahead = queue.read_ahead, None
+        if ahead is not None:
+            log_seq, read = ahead
+            if log_seq == work.log_seq:
+                with contextlib.suppress(Exception):  # read again below, patiently
+                    return await read
+            read.cancel()
+        return await self._patiently(
+            lambda: self.bus.get_message(subjects.EVENTS_STREAM, work.log_seq)
+        )
 
     async def _record_failure(
         self, model_id: str, queue: _RunQueue, work: _Work, exc: Exception
@@ -501,10 +595,18 @@ class Trainer:
         raise AssertionError("unreachable")
 
     async def _execute(
-        self, accepted: bus.RequestAccepted, trace: Context, stored_ns: int, queue: _RunQueue
+        self,
+        accepted: bus.RequestAccepted,
+        trace: Context,
+        stored_ns: int,
+        queue: _RunQueue,
+        before_recording: Callable[[], Awaitable[None]],
+        computed: Callable[[], None],
     ) -> None:
         """Run one request, now that its turn has come, in the trace that accepted it, and
-        record its outcome (unless another replica took the run meanwhile)."""
+        record its outcome once ``before_recording`` returns (unless another replica took the
+        run meanwhile). ``computed()`` is called once its work is done, unless a snapshot of
+        the run follows it: the snapshot is of the state right after it."""
         command = events.command_of(accepted)
         handler = getattr(self, f"_{command}", None)
         if handler is None:
@@ -512,9 +614,19 @@ class Trainer:
         telemetry.queue_wait(command, stored_ns, trace)
         queue.used = time.monotonic()
         model_id = accepted.aggregate_id
+        saved_state = (
+            command == "save_weights" and accepted.save_weights.kind == bus.CHECKPOINT_KIND_TRAINING
+        )
+        if command == "optim_step":
+            queue.steps += 1
+        snapshot_now = saved_state or queue.steps >= self.config.snapshot_every > 0
 
         async def work() -> Outcome:
-            result: Outcome = await handler(accepted, queue)
+            try:
+                result: Outcome = await handler(accepted, queue)
+            finally:
+                if not snapshot_now:
+                    computed()
             return result
 
         async def holding() -> bool:
@@ -536,13 +648,8 @@ class Trainer:
                 worker="trainer",
                 epoch=queue.epoch,
                 confirm=holding,
+                before_recording=before_recording,
             )
-        if command == "optim_step":
-            queue.steps += 1
-        saved_state = (
-            command == "save_weights" and accepted.save_weights.kind == bus.CHECKPOINT_KIND_TRAINING
-        )
-        snapshot_now = saved_state or queue.steps >= self.config.snapshot_every > 0
         if snapshot_now and not queue.lost:
             queue.next_seq = accepted.seq_id + 1
             await self._snapshot(model_id, queue)

@@ -21,6 +21,7 @@ import torch
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import TrainerEngine
 from services.trainer.handlers import MAX_TAKEOVERS, Trainer, _RunQueue
+from tests.latency import delayed
 from tinsmith import events, jobs, models, subjects
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -48,6 +49,7 @@ class Harness:
         idle_unload_s: float = 3600.0,
         engine: TrainerEngine | None = None,
         replica: str = "",
+        nats_url: str = "",
         **config: float,
     ) -> AsyncIterator[Trainer]:
         settings = TrainerConfig(
@@ -57,7 +59,7 @@ class Harness:
             replica=replica or f"test-trainer-{uuid.uuid4().hex[:8]}",
             **config,  # type: ignore[arg-type]
         )
-        connection = await Bus.connect(self.nats_url, name="test-trainer")
+        connection = await Bus.connect(nats_url or self.nats_url, name="test-trainer")
         trainer = Trainer(
             connection,
             engine or TrainerEngine(settings.cache_dir),
@@ -193,6 +195,26 @@ async def test_a_request_with_a_non_finite_loss_fails_alone(harness: Harness) ->
         assert all(request.status is jobs.Status.COMPLETED for request in done)
         hit, clean = _weights(trainer, "hit"), _weights(trainer, "clean")
         assert all(torch.equal(a, b) for a, b in zip(hit, clean, strict=True))
+
+
+async def test_a_runs_next_request_runs_while_the_outcome_before_it_is_recorded(
+    harness: Harness, nats_url: str
+) -> None:
+    """Recording an outcome takes round trips to the bus (the hold is confirmed, the result
+    stored, the completion appended); the run's next request runs meanwhile. Over a network 40
+    ms slow each way, by the time the log holds a forward_backward's outcome, the optim_step sent
+    with it has changed the weights. The outcomes are recorded in seq_id order all the same."""
+    async with delayed(nats_url, 0.04) as slow, harness.trainer(nats_url=slow) as trainer:
+        await harness.settled(await harness.create("overlapped"))
+        before = _weights(trainer, "overlapped")
+        passed = await harness.accept("overlapped", 1, forward_backward=_batch(1))
+        step = await harness.accept("overlapped", 2, optim_step=bus.OptimStep(adam=ADAM))
+        await harness.settled(passed)
+        when_passed = _weights(trainer, "overlapped")
+        await harness.settled(step)
+
+    assert not all(torch.equal(a, b) for a, b in zip(before, when_passed, strict=True))
+    assert await harness.completion_order("overlapped") == [0, 1, 2]
 
 
 async def test_a_request_that_cannot_be_read_back_fails_and_the_run_goes_on(
