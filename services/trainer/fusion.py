@@ -15,8 +15,9 @@ Without that, the optim_steps of runs whose passes just ended queued behind ever
 runs had asked for meanwhile, so that each run's step ended only once every run had had its pass;
 with several RL jobs the runs then left the trainer together, sampled and waited for their
 rewards together, and came back together, leaving the trainer idle in between (lockstep). A run's
-next request reaches the fuser some milliseconds after its previous one ended (its outcome is
-recorded, the next is read from the log), so after a pass or a step the fuser gives the runs it
+next request reaches the fuser some milliseconds after its previous one ended (the result goes
+back to its handler, which hands the run's next request over; handlers.py reads that one ahead
+and records the previous outcome meanwhile), so after a pass or a step the fuser gives the runs it
 served whose next fused request is already waiting in their order (``follows``) until it comes,
 at most ``RETURN_WAIT_S``, before it chooses what goes next.
 

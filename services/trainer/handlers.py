@@ -18,7 +18,11 @@ Owns:
 - ordering: the SDK may send a forward_backward's chunks out of order, chunk 1 last, and a
   request the gateway rejected leaves its seq_id to be skipped. Requests come from the log as
   this replica's projection folds them (``FollowedProjection.on_event``), and are read back
-  from the log by position when their turn comes: nothing waits in memory but their positions;
+  from the log by position when their turn comes (the next one while the one before it
+  computes): nothing waits in memory but their positions;
+- overlapping: a run's next request runs while the outcome before it is recorded (three round
+  trips to the bus); outcomes are recorded in seq_id order all the same, at most one while the
+  next request runs, and a request followed by a snapshot settles before the next one starts;
 - failing alone: whatever goes wrong around one request (reading it, restoring its run, executing
   it, recording its outcome) ends that request failed (an unexpected exception as an
   ``InternalError``, logged once with its traceback), spends its seq_id and lets the run's later
