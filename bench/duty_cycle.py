@@ -29,7 +29,10 @@ steps completed inside the window, steps per second and their ratio to the first
 the slowest job's mean step time over the fastest's, and the share of the window in which a
 request waited for the trainer while it computed nothing (from each request's ``queue_wait``
 span, its acceptance, to the ``compute`` span that served it: the trainer's busy share can be no
-more than the jobs ask of it, and this says whether it left asked work undone); then issue 17's
+more than the jobs ask of it, and this says whether it left asked work undone), and the most of
+the trainer's time the phase's jobs could ask for (``Phase.trainer_offered``: each job steps at
+most as fast as alone, and each step keeps the trainer busy as long as it did in the phase);
+then issue 17's
 targets: steps per second
 with 8 jobs at least 5 times one job's, the trainer busy at least 80% of the time with 8 jobs,
 and no job's mean step more than 1.25 times another's in a phase. It draws both timelines for
@@ -319,6 +322,16 @@ class Phase:
     def trainer_share(self) -> float:
         return utilisation(self.trainer, self.window)
 
+    def trainer_offered(self, period_s: float) -> float:
+        """The most of the trainer's time this phase's jobs could ask for: each job makes at
+        most one step per ``period_s`` (a step of a job alone), and each step kept the trainer
+        busy for the phase's trainer seconds per step (bench/README.md, "What bounds the
+        trainer's share")."""
+        if not self.steps_done or period_s <= 0:
+            return float("nan")
+        per_step_s = self.trainer_share * self.seconds / self.steps_done
+        return min(1.0, self.jobs * per_step_s / period_s)
+
     @property
     def fairness(self) -> float:
         """The slowest job's mean step time over the fastest's, from the steps that ended in
@@ -506,9 +519,11 @@ def report(phases: Sequence[Phase]) -> None:
     against the first's, its trainer share, and each phase's slowest job against its fastest."""
     first = phases[0]
     base = first.steps_done / first.seconds
+    # A job's step alone: the first phase's mean step (its one job's, in the default run).
+    period_s = first.seconds * first.jobs / first.steps_done if first.steps_done else 0.0
     print(
         "\njobs  window s  steps  steps/s  x first  trainer  sampler  slowest/fastest job  "
-        "trainer idle, work waiting"
+        "trainer idle, work waiting  trainer asked at most"
     )
     for phase in phases:
         rate = phase.steps_done / phase.seconds
@@ -516,7 +531,7 @@ def report(phases: Sequence[Phase]) -> None:
             f"{phase.jobs:>4}  {phase.seconds:>8.1f}  {phase.steps_done:>5}  {rate:>7.3f}  "
             f"{rate / base if base else float('nan'):>7.2f}  {phase.trainer_share:>7.1%}  "
             f"{phase.sampler_share:>7.1%}  {phase.fairness:>19.2f}  "
-            f"{phase.trainer_idle_waited:>26.1%}"
+            f"{phase.trainer_idle_waited:>26.1%}  {phase.trainer_offered(period_s):>21.0%}"
         )
     last = phases[-1]
     speedup = (last.steps_done / last.seconds) / base if base else float("nan")
@@ -529,7 +544,8 @@ def report(phases: Sequence[Phase]) -> None:
         f"\nsteps/s, {last.jobs} jobs / {first.jobs}: {speedup:.2f} (target >= "
         f"{TARGET_SPEEDUP:g}: {verdict(speedup >= TARGET_SPEEDUP)}); trainer busy with "
         f"{last.jobs} jobs: {last.trainer_share:.0%} (target >= {TARGET_TRAINER_SHARE:.0%}: "
-        f"{verdict(last.trainer_share >= TARGET_TRAINER_SHARE)}); slowest job's mean step / "
+        f"{verdict(last.trainer_share >= TARGET_TRAINER_SHARE)}; its jobs asked it for at most "
+        f"{last.trainer_offered(period_s):.0%}); slowest job's mean step / "
         f"fastest's, worst phase: {worst:.2f} (target <= {TARGET_FAIRNESS:g}: "
         f"{verdict(worst <= TARGET_FAIRNESS)})"
     )

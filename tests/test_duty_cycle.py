@@ -99,6 +99,15 @@ def test_the_phase_reports_its_shares_and_the_steps_inside_its_window() -> None:
     assert late.steps_done == 4  # a step that ends after the window is not counted
 
 
+def test_the_trainer_is_asked_at_most_its_jobs_steps_at_their_pace_alone() -> None:
+    phase = _phase(1, 1_000 * NS, busy_every_s=2.5)  # 4 steps, the trainer busy 2 s of 10
+    # 0.5 s of the trainer a step; a job alone steps every 2.5 s: it asks for at most 20%.
+    assert phase.trainer_offered(2.5) == pytest.approx(0.2)
+    eight = Phase(8, phase.window, phase.steps, trainer=phase.trainer)
+    assert eight.trainer_offered(2.5) == pytest.approx(1.0)  # 160% asked: all of it
+    assert eight.trainer_offered(10.0) == pytest.approx(0.4)
+
+
 def test_fairness_is_the_slowest_job_s_mean_step_over_the_fastest_s() -> None:
     window = (0, 10 * NS)
     # Steps of 2 s and 2 s (mean 2), of 3 s (mean 3); one that ends after the window: not counted.
