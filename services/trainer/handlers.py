@@ -446,6 +446,12 @@ class Trainer:
                 if behind.done() and not behind.result():
                     break
                 queue.next_seq = work.seq_id + 1
+        except asyncio.CancelledError:  # the connection closes: nothing more is recorded
+            for task in (earlier, behind):
+                if task is not None:
+                    task.cancel()
+            earlier = behind = None
+            raise
         finally:
             for task in (earlier, behind):
                 if task is not None:
@@ -468,6 +474,9 @@ class Trainer:
         done = asyncio.ensure_future(computed.wait())
         try:
             await asyncio.wait((settling, done), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            settling.cancel()  # and the turn it awaits
+            raise
         finally:
             done.cancel()
         return settling
