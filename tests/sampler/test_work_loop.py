@@ -159,8 +159,10 @@ async def test_a_request_cancelled_while_it_decodes_stops_between_two_steps(
 async def test_requests_that_come_to_an_idle_sampler_together_start_together(
     eventlog: EventLog, batch_delay_s: float
 ) -> None:
-    """Two requests a moment apart: within the batch delay, the first step holds both (one
-    prefill); with none, the first starts alone at once."""
+    """Two requests a moment apart: within the batch delay (0.05 s after the first, of 1 s), the
+    first step holds both (one prefill); with none, the first starts alone at once (the second
+    comes 0.5 s later: long enough for the first to reach a loaded machine's sampler, far
+    shorter than the 1 s delay)."""
     sampler, projection = await _start(eventlog, batch_delay_s)
     engine = sampler.engine
     assert isinstance(engine, TorchEngine)
@@ -176,7 +178,7 @@ async def test_requests_that_come_to_an_idle_sampler_together_start_together(
     engine.step = observed  # type: ignore[method-assign]
     try:
         first = await _accept(eventlog, 0, max_tokens=8)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05 if batch_delay_s else 0.5)
         second = await _accept(eventlog, 1, max_tokens=8)
         for request in (first, second):
             assert await projection.wait_until(
