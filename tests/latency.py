@@ -15,7 +15,7 @@ async def delayed(url: str, one_way_s: float) -> AsyncIterator[str]:
     """Relay to ``url`` (nats://host:port) with ``one_way_s`` added to each direction; yield
     the relay's own URL."""
     target = urlparse(url)
-    relays: set[asyncio.Task[None]] = set()
+    relays: set[asyncio.Future[tuple[None, None]]] = set()
 
     async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
@@ -44,9 +44,8 @@ async def delayed(url: str, one_way_s: float) -> AsyncIterator[str]:
     async def relay(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         server_r, server_w = await asyncio.open_connection(target.hostname, target.port)
         both = asyncio.gather(pump(client_r, server_w), pump(server_r, client_w))
-        task = asyncio.ensure_future(both)
-        relays.add(task)
-        task.add_done_callback(relays.discard)
+        relays.add(both)
+        both.add_done_callback(relays.discard)
 
     server = await asyncio.start_server(relay, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
