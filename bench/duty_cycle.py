@@ -607,6 +607,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         system = start_system(data_dir, receiver.endpoint)
         try:
             url = system.wait_ready(READY_TIMEOUT_S)
+            system.wait_standby(READY_TIMEOUT_S)
             elapsed = time.monotonic() - started
             print(f"tinsmith ready at {url} after {elapsed:.0f} s; spans go to {receiver.endpoint}")
             phases, spans = measure(

@@ -75,10 +75,12 @@ def nats_url(system: UpProcess) -> str:
 
 
 def start_system(data_dir: Path, cache_dir: Path, timeout_s: float = 300.0) -> UpProcess:
-    """``tinsmith up`` on a free port; returns once it prints that it is ready."""
+    """``tinsmith up`` on a free port; returns once it prints that it is ready and its standby
+    interpreter has done its imports (``UpProcess.wait_standby``)."""
     system = UpProcess(data_dir, env={"TINSMITH_CACHE_DIR": str(cache_dir)})
     try:
         system.wait_ready(timeout_s)
+        system.wait_standby(timeout_s)
     except RuntimeError:
         system.stop()
         raise

@@ -66,6 +66,27 @@ def test_a_signal_stops_every_process(tmp_path: Path, signum: signal.Signals) ->
     assert not [pid for pid in children if _alive(pid)]
 
 
+def test_the_standby_imports_at_the_lowest_priority_and_serves_at_its_own(tmp_path: Path) -> None:
+    """The standby interpreter imports torch, transformers and peft while the services take
+    their first work (it starts as the launcher is ready): on a thread of the lowest CPU
+    priority, which ends with the imports. Once ready, no thread of it is left at that priority:
+    not its main thread, which becomes a service, nor one a library started while imported
+    (numpy's BLAS workers)."""
+    system = start_system(tmp_path)
+    try:
+        system.up.wait_standby(120)
+        pid = child_pids(system.process.pid)["standby"]
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        nice = {  # field 19 of /proc/PID/task/TID/stat; the name (field 2) has no spaces here
+            int(task.name): int((task / "stat").read_text().split()[18])
+            for task in Path(f"/proc/{pid}/task").iterdir()
+        }
+        assert nice and all(value == own for value in nice.values()), nice
+        assert "of imports" in (system.data_dir / "logs" / "standby.log").read_text()
+    finally:
+        system.up.stop(60)
+
+
 def test_killing_the_launcher_still_stops_its_children(tmp_path: Path) -> None:
     system = start_system(tmp_path)
     kill_child(system.up, "sampler")  # a child started again is one like the others

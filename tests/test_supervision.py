@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.supervised import RESTART_LINE
+from tinsmith.standby import LOWEST_PRIORITY
 from tinsmith.supervision import Backoff, Supervisor, how_it_ended
 
 
@@ -210,15 +211,23 @@ def test_a_dead_python_child_becomes_the_standby_and_another_standby_follows(
 ) -> None:
     """The standby interpreter (tinsmith/standby.py) imports what it is named, then becomes the
     next `python -m` child that dies: the child's environment, log and name, in the standby's
-    process; another standby starts ``standby_delay_s`` later."""
+    process, at the process's CPU priority though it imported at the lowest; another standby
+    starts ``standby_delay_s`` later."""
     (tmp_path / "worker.py").write_text(
         "import os, sys, time\n"
         "comm = open('/proc/self/comm').read().strip()\n"
-        "print(f\"worker {os.getpid()} {os.environ['WHO']} {comm} {sys.argv[1:]}\", flush=True)\n"
+        "nice = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "print(f\"worker {os.getpid()} {os.environ['WHO']} {comm} {sys.argv[1:]} {nice}\", "
+        "flush=True)\n"
         "time.sleep(60)\n"
     )
-    # What the standby imports is named on its command line; json stands for torch here.
-    (tmp_path / "heavy.py").write_text("import time\ntime.sleep(0.3)\nIMPORTED = True\n")
+    # What the standby imports is named on its command line; heavy stands for torch here. On
+    # Linux, getpriority(PRIO_PROCESS, 0) is the calling thread's nice value.
+    (tmp_path / "heavy.py").write_text(
+        "import os, time\n"
+        "print(f'heavy imported at nice {os.getpriority(os.PRIO_PROCESS, 0)}', flush=True)\n"
+        "time.sleep(0.3)\n"
+    )
     common = {
         **os.environ,
         "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
@@ -246,6 +255,8 @@ def test_a_dead_python_child_becomes_the_standby_and_another_standby_follows(
     )
     try:
         _wait(lambda: "ready" in standby_log.read_text(), supervisor)
+        # The services are busy when a standby imports: it imports at the lowest priority.
+        assert f"heavy imported at nice {LOWEST_PRIORITY}" in standby_log.read_text()
         standby = supervisor._standby
         assert standby is not None
         for fresh in (light, other):  # started afresh: the standby still waits
@@ -264,7 +275,10 @@ def test_a_dead_python_child_becomes_the_standby_and_another_standby_follows(
             return [line for line in log.read_text().splitlines() if line.startswith("worker ")]
 
         _wait(lambda: len(worker_lines()) == 2, supervisor)
-        assert worker_lines()[1].split()[2:] == ["worker-0", "worker", "['--flag']"]
+        # The service it became runs at the process's own priority, as the fresh one did.
+        own = str(os.getpriority(os.PRIO_PROCESS, 0))
+        assert worker_lines()[0].split()[5] == own
+        assert worker_lines()[1].split()[2:] == ["worker-0", "worker", "['--flag']", own]
         assert (
             "--- tinsmith up: restart 1 of worker (the standby interpreter) ---" in log.read_text()
         )

@@ -18,10 +18,12 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 
+from tinsmith import standby
 from tinsmith.embedded import free_port
 from tinsmith.supervision import die_with_parent
 
@@ -45,6 +47,7 @@ class UpProcess:
         printed to stderr as it comes, prefixed ``[tinsmith]``; without ``standby``, it keeps
         no standby interpreter (``--no-standby``)."""
         self.data_dir = data_dir
+        self.keeps_standby = standby
         self.url = ""
         self.grpc_target = ""
         self.metrics: dict[str, str] = {}  # service -> its Prometheus /metrics URL
@@ -92,6 +95,20 @@ class UpProcess:
             )
             raise RuntimeError(f"tinsmith up {state}:\n{''.join(self.output)}")
         return self.url
+
+    def wait_standby(self, timeout_s: float) -> None:
+        """Return once the standby interpreter, which the launcher starts as soon as it is ready,
+        has imported the engines' libraries (its log says so), at once without one. A benchmark
+        measures after this: those seconds of imports share the machine with the services.
+        RuntimeError if ``timeout_s`` passes first."""
+        if not self.keeps_standby:
+            return
+        log = self.data_dir / "logs" / "standby.log"
+        deadline = time.monotonic() + timeout_s
+        while not (log.is_file() and standby.READY in log.read_text(errors="replace")):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"the standby interpreter was not ready in {timeout_s:.0f} s")
+            time.sleep(0.1)
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM, then wait; SIGKILL to its whole process group if it does not stop in time.
