@@ -17,10 +17,12 @@ the environment while being imported (the standby's environment is the services'
 what differs per service: the health port, the replica name), so what it knows matches a fresh
 start.
 
-It imports at the lowest CPU priority (``_import_quietly``): it is started when the services are
-busy (at start-up, when they take their first work; after a restart, while the replacement
-catches up), and its seconds of imports took one of a 2-core machine's cores from them. Measured
-through ``bench/sample_throughput.py``, the rounds of its first seconds sampled 15 to 20% slower.
+It imports at the lowest CPU priority (``_import_quietly``): it is started when the services may
+be busy (at start-up, as they take their first work; after a restart, while the replacement
+catches up), and its seconds of imports are worth less than their work. Measured on 2 cores
+beside two processes that keep both busy (``bench/standby_priority.py``): importing at their
+priority took 18 to 23% of their work for the 4.2 s of the imports; the standby, at the lowest,
+0.3 to 0.9%, its imports taking 10.6 s.
 
 Owns: the standby's side only. Does not own: when one is started or used, its log before it is
 used, or stopping it (tinsmith/supervision.py), or which modules it imports (tinsmith/
