@@ -18,8 +18,12 @@ vocabulary, passed as ids (the SDK's tokenizer is never loaded).
        no top-k or top-p, ``max_new_tokens=min_new_tokens=T``, KV cache), on this process's main
        thread with the sampler's intra-op thread count (``TINSMITH_TORCH_THREADS``, default half
        the cores).
-   After warm-up the sides alternate, a, b, a, b ..., so machine noise hits both; it prints the
-   median tokens/s of each and their ratio (the target: system / in-process >= 1.0). Both share
+   (c) the sampler's engine in-process: services/sampler/torch_engine.py's ``TorchEngine`` on
+       the same model, device, dtype and threads, given the B requests as the sampler gives
+       them (``add``), then stepped until all are done: the engine's own speed, without the
+       system around it.
+   After warm-up the sides alternate, a, b, c, a, b, c ..., so machine noise hits all; it prints
+   the median tokens/s of each and the ratios (the target: system / in-process >= 1.0). Both share
    the machine's cores, but never compute at the same time. The system's rounds are then split,
    from the event log, into the time until the sampler's queue holds the first request, the
    sampler's span from the first accepted request to the last completed one, and the rest.
@@ -87,8 +91,10 @@ from transformers import AutoModelForCausalLM
 
 from bench.train_overhead import nats_url, start_system
 from services.device import Placement, placement_from_env, synchronize
+from services.sampler.torch_engine import TorchEngine
 from tinsmith import events, models, subjects
 from tinsmith._proto import bus_pb2 as bus
+from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.bus import Bus
 from tinsmith.child import UpProcess, sigterm_as_interrupt
 
@@ -200,6 +206,39 @@ class InProcessSampler:
         if generated != self.tokens:
             raise RuntimeError(f"generate made {generated} tokens, not {self.tokens}")
         return self.input_ids.shape[0] * self.tokens / elapsed
+
+
+class EngineSampler:
+    """(c): the sampler's engine in this process, the same requests given to it directly."""
+
+    def __init__(
+        self, model: str, cache_dir: Path, prompts: np.ndarray, tokens: int, placement: Placement
+    ) -> None:
+        self.engine = TorchEngine(cache_dir, torch.get_num_threads(), placement=placement)
+        self.engine.load_base(model)
+        self.model = model
+        self.prompts = [row.tolist() for row in prompts]
+        self.tokens = tokens
+        self._ticket = 0
+
+    def round(self) -> float:
+        params = tp.SamplingParams(max_tokens=self.tokens, temperature=1.0, top_k=-1, top_p=1.0)
+        synchronize(self.engine.placement.device)
+        start = time.perf_counter()
+        tickets = set()
+        for prompt in self.prompts:
+            self._ticket += 1
+            params.seed = self._ticket
+            command = bus.Sample(base_model=self.model, prompt=prompt, params=params, num_samples=1)
+            self.engine.add(self._ticket, command)
+            tickets.add(self._ticket)
+        while tickets:
+            for ticket, body in self.engine.step():
+                if not isinstance(body, bytes):
+                    raise RuntimeError(f"the engine failed request {ticket}: {body}")
+                tickets.discard(ticket)
+        synchronize(self.engine.placement.device)
+        return len(self.prompts) * self.tokens / (time.perf_counter() - start)
 
 
 # --- 2. batching across adapters ----------------------------------------------------------------
@@ -475,13 +514,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Clean up on SIGTERM as on Ctrl-C.
     with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="tinsmith-bench-") as tmp:
         cache_dir = Path(tmp, "cache")
-        model_dir = models.materialize(args.model, cache_dir)  # before the sampler wants it
+        models.materialize(args.model, cache_dir)  # before the sampler wants it
         system: UpProcess | None = None
         service: tinker.ServiceClient | None = None
         try:
             system = start_system(Path(tmp, "data"), cache_dir)
             service = tinker.ServiceClient(base_url=system.url, api_key="tml-bench")
-            measure(system, service, model_dir, args, out)
+            measure(system, service, cache_dir, args, out)
             service.close("success").result(timeout=30)
         except KeyboardInterrupt:
             # Requests still in flight fail once the system stops: not worth a log line each.
@@ -498,19 +537,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 def measure(
     system: UpProcess,
     service: tinker.ServiceClient,
-    model_dir: Path,
+    cache_dir: Path,
     args: argparse.Namespace,
     out: dict[str, Any],
 ) -> None:
     model = args.model
+    model_dir = models.materialize(model, cache_dir)
     # 1. throughput
     prompts = prompts_for(model, args.batch, args.prompt, seed=0)
     base = service.create_sampling_client(base_model=model).result()
     a = SystemSampler(base, prompts, args.tokens)
     b = InProcessSampler(model_dir, prompts, args.tokens, placement_from_env())
-    system_tps, in_process_tps = alternate((a.round, b.round), args.warmup, args.rounds)
-    del b
+    c = EngineSampler(model, cache_dir, prompts, args.tokens, placement_from_env())
+    system_tps, in_process_tps, engine_tps = alternate(
+        (a.round, b.round, c.round), args.warmup, args.rounds
+    )
+    del b, c
     out["system_tps"], out["in_process_tps"] = system_tps, in_process_tps
+    out["engine_tps"] = engine_tps
     out["load"] = [os.getloadavg()[0]]
     print(
         f"throughput: system {statistics.median(system_tps):.1f} tokens/s, in-process "
@@ -570,8 +614,13 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     print(f"  {'ratio system / in-process':<44} {ratio:>10.3f}   (target >= {TARGET_RATIO:.2f})")
     best = max(out["system_tps"]) / max(out["in_process_tps"])
     print(f"  {'ratio of the fastest rounds':<44} {best:>10.3f}")
+    engine_tps = statistics.median(out["engine_tps"])
+    print(f"  {'the sampler engine in-process (no system)':<44} {engine_tps:>10.1f}")
+    print(f"  {'ratio engine / in-process generate':<44} {engine_tps / in_process_tps:>10.3f}")
+    print(f"  {'ratio system / engine':<44} {system_tps / engine_tps:>10.3f}")
     print(f"  rounds, system:     {_rounded(out['system_tps'], 1)}")
     print(f"  rounds, in-process: {_rounded(out['in_process_tps'], 1)}")
+    print(f"  rounds, engine:     {_rounded(out['engine_tps'], 1)}")
     print(f"  load average after this part: {out['load'][0]:.1f}")
     seconds = args.batch * args.tokens / system_tps
     print(f"  the system's round, median seconds per part (round: {seconds:.3f} s)")
