@@ -99,11 +99,19 @@ def test_the_built_in_model_equals_transformers() -> None:
     _check(model, model.config.vocab_size)
 
 
-def _check(model: PreTrainedModel, vocab: int) -> None:
+@torch.inference_mode()
+def test_rows_of_an_adapter_apart_equal_transformers() -> None:
+    """An adapter's rows that are no one range are gathered (``SlotLinear``'s other way than
+    ranges of rows): the same logits."""
+    _check(_model(CONFIGS["qwen2"]), CONFIGS["qwen2"].vocab_size, apart=True)
+
+
+def _check(model: PreTrainedModel, vocab: int, apart: bool = False) -> None:
+    """``apart``: the first adapter's rows are the first and the last (no one range)."""
     slots, (first, second) = _slotted(model)
     decoder = Decoder.of(model)
     assert decoder is not None
-    route = [first, NO_ADAPTER, second]
+    route = [first, second, first] if apart else [first, NO_ADAPTER, second]
     lengths = [5, 9, 2]
     width = max(lengths)
     generator = torch.Generator().manual_seed(3)
