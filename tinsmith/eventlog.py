@@ -191,10 +191,14 @@ class EventLog:
         epoch: int = 0,
         confirm: Callable[[], Awaitable[bool]] | None = None,
         before_recording: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
+    ) -> bool:
         """Run a request's work and record its outcome: the result, or a failure whose kind
         says whose fault it was (a result too large to store is the request's: it fails with
         ``ResultTooLarge``). An unexpected exception is a server fault, logged in full.
+        Returns whether the work's result was recorded: False when the work failed, and also
+        when it succeeded but its result could not be stored (a failure is recorded instead) or
+        nothing was recorded (a worker whose state the work changed then holds what the log
+        does not say).
         ``before_recording``, awaited once the work is done and before anything is recorded
         (a trainer waits there for the outcome of the run's previous request to be recorded;
         what it raises propagates, and nothing is recorded). ``confirm``, asked before
@@ -209,7 +213,7 @@ class EventLog:
             # Its outcome, the cancellation, is in the log already: nothing to record.
             telemetry.record_error(trace.get_current_span(), cancelled.kind, cancelled.detail)
             telemetry.work_done(command, time.perf_counter() - started, cancelled.kind)
-            return
+            return False
         except TinsmithError as error:
             failure = error
         except Exception as exc:
@@ -223,7 +227,7 @@ class EventLog:
                 log.warning(
                     "request %s ran, but its run is held elsewhere now", accepted.request_id
                 )
-                return
+                return False
             try:
                 await self._durably(
                     accepted.request_id,
@@ -248,12 +252,12 @@ class EventLog:
                 failure = InternalError(f"the outcome of {command} could not be recorded: {exc}")
             else:
                 telemetry.work_done(command, time.perf_counter() - started)
-                return
+                return True
         telemetry.record_error(trace.get_current_span(), failure.kind, failure.detail)
         if before_recording is not None:
             await before_recording()
         if confirm is not None and not await confirm():
-            return
+            return False
         await self._durably(
             accepted.request_id,
             lambda: self.fail(
@@ -267,6 +271,7 @@ class EventLog:
             ),
         )
         telemetry.work_done(command, time.perf_counter() - started, failure.kind)
+        return False
 
     async def _durably(self, request_id: str, record: Callable[[], Awaitable[None]]) -> None:
         """``await record()`` until the bus takes it: an outcome is never lost to a transient

@@ -28,6 +28,12 @@ Owns:
   ``InternalError``, logged once with its traceback), spends its seq_id and lets the run's later
   requests run; a failure the log refuses to record is retried until it is recorded (or, if the
   trainer stops first, the request is left to the run's next holder);
+- memory no further than the log: a request that changed the run (create, load, a
+  forward_backward, an optim_step) but whose result the log does not hold (the bus refused it,
+  and a failure is recorded instead; or nothing could be recorded before a stop) leaves the run
+  ahead of its log. Such a run goes no further and is never snapshotted: it is let go and
+  rebuilt from its latest recorded snapshot and the log, as after a crash (``_let_go``), so a
+  failed request changed nothing and an unrecorded one runs again at its next holder;
 - poison: a request that takes down every replica that runs it ends failed, not looping: once a
   run was taken over ``MAX_TAKEOVERS`` times from holders that died without recording any
   outcome, its next request is failed instead of run;
@@ -108,8 +114,10 @@ _STATEFUL = frozenset({"create_model", "load_weights", "forward_backward", "opti
 
 
 class _Unrecorded(Exception):
-    """The run's previous request could not be recorded (the trainer is stopping, or lost the
-    run): nothing after it is recorded either."""
+    """A request of the run ran but its result is not what the log holds (it could not be
+    recorded: the trainer is stopping, or lost the run; or the bus refused the result, and a
+    failure was recorded instead), or the run's previous request is such a one: nothing after it
+    is recorded either."""
 
 
 @dataclass
@@ -140,6 +148,10 @@ class _RunQueue:
     # When the run's step began waiting for the compute thread: its first forward_backward since
     # its last optim_step (None: no forward_backward since). The optim_step keeps that place.
     step_since: float | None = None
+    # What memory holds of the run is ahead of its log: a request ran whose result the log does
+    # not hold (``_Unrecorded``). Such a run is never snapshotted: it is let go (``_let_go``) and
+    # rebuilt from its latest recorded snapshot and the log, as after a crash.
+    diverged: bool = False
 
 
 class Trainer:
@@ -278,7 +290,7 @@ class Trainer:
         self._kick(model_id, queue)
 
     def _kick(self, model_id: str, queue: _RunQueue) -> None:
-        if not queue.busy and not queue.lost and not self.stopping:
+        if not queue.busy and not queue.lost and not queue.diverged and not self.stopping:
             queue.busy = True
             self.bus.spawn(self._advance(model_id, queue))
 
@@ -460,6 +472,8 @@ class Trainer:
             self.fuser.release(model_id)
             self._quiet.set()
             self._reaper_wake.set()
+        if queue.diverged and not queue.lost and not self.stopping:
+            await self._let_go(model_id, queue)
 
     async def _begin(
         self, model_id: str, queue: _RunQueue, work: _Work, behind: asyncio.Task[bool] | None
@@ -491,16 +505,23 @@ class Trainer:
     ) -> bool:
         """Wait for the request's turn to end with its outcome recorded; what went wrong around
         it is recorded as its failure (after ``behind``'s outcome). False when the trainer began
-        to stop (or lost the run) before it could record it: the run advances no further."""
+        to stop (or lost the run) before it could record it, or the request ran but the log
+        holds a failure instead of its result: the run advances no further, and what memory
+        holds of it is not to be trusted (``_RunQueue.diverged``)."""
         try:
             await turn
         except _Unrecorded:
+            queue.diverged = True
             return False
         except Exception as exc:
-            if queue.lost or (behind is not None and not await behind):
+            if (
+                queue.lost
+                or (behind is not None and not await behind)
+                or not await self._record_failure(model_id, queue, work, exc)
+            ):
+                queue.diverged = True
                 return False
-            return await self._record_failure(model_id, queue, work, exc)
-        return True
+        return not queue.diverged  # a failure recorded for a request that had changed the run
 
     async def _turn(
         self,
@@ -634,9 +655,13 @@ class Trainer:
             queue.steps += 1
         snapshot_now = saved_state or queue.steps >= self.config.snapshot_every > 0
 
+        ran = False
+
         async def work() -> Outcome:
+            nonlocal ran
             try:
                 result: Outcome = await handler(accepted, queue)
+                ran = True
             finally:
                 if not snapshot_now:
                     computed()
@@ -654,15 +679,23 @@ class Trainer:
             ),
             telemetry.request_scope(accepted.request_id),
         ):
-            await self.log.settle(
-                accepted,
-                work,
-                request_aggregate="run",
-                worker="trainer",
-                epoch=queue.epoch,
-                confirm=holding,
-                before_recording=before_recording,
-            )
+            recorded = False
+            try:
+                recorded = await self.log.settle(
+                    accepted,
+                    work,
+                    request_aggregate="run",
+                    worker="trainer",
+                    epoch=queue.epoch,
+                    confirm=holding,
+                    before_recording=before_recording,
+                )
+            finally:
+                if ran and not recorded and command in _STATEFUL:
+                    # It changed the run, and the log says it did not (or says nothing yet).
+                    queue.diverged = True
+        if queue.diverged:
+            raise _Unrecorded
         if snapshot_now and not queue.lost:
             queue.next_seq = accepted.seq_id + 1
             await self._snapshot(model_id, queue)
@@ -788,7 +821,11 @@ class Trainer:
 
     async def _unload(self, model_id: str, queue: _RunQueue, why: str = "idle") -> None:
         """Snapshot the run, record ``RunUnloaded``, drop it from memory and release it; its
-        next request places it again. A run the log cannot record stays held and loaded."""
+        next request places it again. A run the log cannot record stays held and loaded. A
+        diverged run is let go instead, unsnapshotted (``_let_go``)."""
+        if queue.diverged:
+            await self._let_go(model_id, queue)
+            return
         queue.busy = True  # requests that arrive meanwhile wait, then go to its next holder
         try:
             with telemetry.tracer.start_as_current_span(
@@ -819,6 +856,25 @@ class Trainer:
             self._quiet.set()
         if queue.pending and not self.stopping and self.queues.get(model_id) is None:
             self.bus.spawn(self._consider(model_id))
+
+    async def _let_go(self, model_id: str, queue: _RunQueue) -> None:
+        """Drop a diverged run (``_RunQueue.diverged``) from memory and release it, recording
+        nothing: its next holder (this replica, as likely as any other) rebuilds it from its
+        latest recorded snapshot and the log, as after a crash, and runs what waits: the
+        request whose result the log does not hold is failed there, or waits in it, unrun."""
+        if self.queues.get(model_id) is not queue:
+            return
+        queue.lost = True  # nothing more of it runs or is recorded here
+        self.queues.pop(model_id, None)
+        if model_id in self.engine.runs:  # not, where its restore failed
+            await self.compute.run(self.engine.unload, model_id)
+        await self.fleet.release(model_id)
+        log.warning(
+            "let go of run %s unsnapshotted: a request of it ran whose result the log does not "
+            "hold, so it is rebuilt from its latest snapshot and the log",
+            model_id,
+        )
+        self.bus.spawn(self._consider(model_id))  # a stopping trainer takes nothing
 
     async def _restore(self, model_id: str, queue: _RunQueue) -> None:
         """Load the run from the snapshot its queue starts at; a run that cannot be restored

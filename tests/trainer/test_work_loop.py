@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from nats.js import api
 
 from services.trainer.config import TrainerConfig
 from services.trainer.engine import TrainerEngine
@@ -215,6 +216,94 @@ async def test_a_runs_next_request_runs_while_the_outcome_before_it_is_recorded(
 
     assert not all(torch.equal(a, b) for a, b in zip(before, when_passed, strict=True))
     assert await harness.completion_order("overlapped") == [0, 1, 2]
+
+
+async def test_a_step_whose_result_the_bus_refuses_fails_and_changes_nothing(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An optim_step that ran, but whose result the bus refused to store (its results stream
+    full), is recorded as failed, and a failed request changes nothing: the trainer lets the run
+    go unsnapshotted and takes it again from its log (its creation and forward_backward), so it
+    ends as a run that never took that step. Before, the step stayed applied in memory, and the
+    next optim_step stepped from there."""
+    caplog.set_level(logging.WARNING, logger="services.trainer.handlers")
+    js = harness.eventlog.bus.js
+    async with harness.trainer() as trainer:
+        for model_id in ("refused", "clean"):
+            await harness.settled(await harness.create(model_id))
+            await harness.settled(await harness.accept(model_id, 1, forward_backward=_batch(1)))
+        info = await js.stream_info(subjects.RESULTS_STREAM)
+        assert info.state.messages is not None
+        full = dataclasses.replace(
+            info.config, max_msgs=info.state.messages, discard=api.DiscardPolicy.NEW
+        )
+        await js.update_stream(full)
+        try:
+            step = await harness.accept("refused", 2, optim_step=bus.OptimStep(adam=ADAM))
+            (failed,) = await harness.settled(step)
+        finally:
+            await js.update_stream(info.config)
+        assert _status(failed) == ("failed", "internal")
+        assert "could not be recorded" in failed.error_detail
+        # The same requests after it on both runs: the clean one never had the failed step.
+        rest = [
+            await harness.accept("refused", 3, forward_backward=_batch(2)),
+            await harness.accept("refused", 4, optim_step=bus.OptimStep(adam=ADAM)),
+            await harness.accept("clean", 2, forward_backward=_batch(2)),
+            await harness.accept("clean", 3, optim_step=bus.OptimStep(adam=ADAM)),
+        ]
+        done = await harness.settled(*rest)
+        assert all(request.status is jobs.Status.COMPLETED for request in done)
+        await harness.until(lambda: "refused" in trainer.engine.runs)
+        refused, clean = _weights(trainer, "refused"), _weights(trainer, "clean")
+        assert all(torch.equal(a, b) for a, b in zip(refused, clean, strict=True))
+    assert any("let go of run refused unsnapshotted" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stop_while_the_bus_refuses_a_steps_outcome_leaves_the_step_to_the_next_trainer(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An optim_step ran, but the bus refused its result and then its failure (both streams
+    full), and the trainer was told to stop while it tried again. What it holds of the run is
+    ahead of its log: the stop lets the run go unsnapshotted, and the next trainer rebuilds it
+    from the log and runs the step. Before, the stop's snapshot (which the bus took by then)
+    held the step and claimed its seq_id, so the next trainer never ran it, nor recorded it."""
+    caplog.set_level(logging.WARNING, logger="services.trainer.handlers")
+    js = harness.eventlog.bus.js
+    async with harness.trainer() as trainer:
+        for model_id in ("stopped", "clean"):
+            await harness.settled(await harness.create(model_id))
+            await harness.settled(await harness.accept(model_id, 1, forward_backward=_batch(1)))
+        await harness.settled(await harness.accept("clean", 2, optim_step=bus.OptimStep(adam=ADAM)))
+        clean = _weights(trainer, "clean")
+        results = await js.stream_info(subjects.RESULTS_STREAM)
+        log = await js.stream_info(subjects.EVENTS_STREAM)
+        assert results.state.messages is not None and log.state.messages is not None
+        for info, room in ((results, 0), (log, 1)):  # the log has room for the step's acceptance
+            await js.update_stream(
+                dataclasses.replace(
+                    info.config,
+                    max_msgs=info.state.messages + room,
+                    discard=api.DiscardPolicy.NEW,
+                )
+            )
+        step = await harness.accept("stopped", 2, optim_step=bus.OptimStep(adam=ADAM))
+
+        def refused_twice() -> bool:
+            said = [r.getMessage() for r in caplog.records]
+            return sum(f"could not record the failure of request {step}" in m for m in said) >= 2
+
+        await harness.until(refused_twice)  # it tries again in 1 s
+        for info in (results, log):
+            await js.update_stream(info.config)
+        await trainer.stop()
+    assert any("let go of run stopped unsnapshotted" in r.getMessage() for r in caplog.records)
+    async with harness.trainer() as successor:
+        (done,) = await harness.settled(step)
+        assert done.status is jobs.Status.COMPLETED
+        await harness.until(lambda: "stopped" in successor.engine.runs)
+        stopped = _weights(successor, "stopped")
+    assert all(torch.equal(a, b) for a, b in zip(stopped, clean, strict=True))
 
 
 async def test_a_request_that_cannot_be_read_back_fails_and_the_run_goes_on(
