@@ -95,7 +95,7 @@ class Rest:
         several = {s for s in ENGINES if sum(e["service"] == s for e in engines) > 1}
         shares = {}
         for engine in engines:
-            share = busy_share(engine["busy"], since, until)
+            share = busy_share(engine["busy"], since, until, engine.get("busy_since"))
             if share is not None:
                 name = engine["service"]
                 if name in several:
@@ -117,10 +117,16 @@ class Rest:
         return [engine for engine in body["engines"] if engine["service"] in ENGINES]
 
 
-def busy_share(points: list[list[float]], since: float, until: float) -> float | None:
+def busy_share(
+    points: list[list[float]], since: float, until: float, first_since: float | None = None
+) -> float | None:
     """The time-weighted busy share over ``[since, until]`` of a replica's ``[[time, share],
-    ...]``, where each share is of the interval since the point before it (so the first point's
-    interval, of unknown start, is left out); None if no interval overlaps the span."""
+    ...]``, where each share is of the interval since the point before it, and the first one's
+    since ``first_since`` (the server's ``busy_since``; without it, that interval is left out);
+    None if no interval overlaps the span. A span shorter than the reports' period, right after
+    the replica started reporting, may lie in its first interval alone."""
+    if first_since is not None:
+        points = [[first_since, 0.0], *points]
     busy = covered = 0.0
     for (start, _), (end, share) in itertools.pairwise(points):
         overlap = min(end, until) - max(start, since)

@@ -4,9 +4,10 @@ seconds and its gauges), kept for the last minutes, per replica.
 
 Owns: following the reports (core NATS: a lost one is a gap in a chart, nothing more), the
 history kept per replica, and the engines part of the ``/api/v1/engines`` JSON: each replica's
-busy share between two reports (the duty cycle), its latest gauges (queue depth, base models and
-adapters loaded, memory, GPU memory where there is a GPU). Does not own: what a service reports
-(``telemetry.status``) or who may see it (operations.py: admins).
+busy share between two reports (the duty cycle: ``busy``, points ``[time, share]`` of the
+interval since the point before, the first one's since ``busy_since``), its latest gauges (queue
+depth, base models and adapters loaded, memory, GPU memory where there is a GPU). Does not own:
+what a service reports (``telemetry.status``) or who may see it (operations.py: admins).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Engines:
                     "replica": held.replica,
                     "seen_at": last["time"],
                     "busy": busy_shares(list(held.reports)),
+                    # Where the first busy point's interval starts: its report before it.
+                    "busy_since": float(held.reports[0]["time"]),
                     "gauges": last.get("gauges", {}),
                 }
             )

@@ -45,6 +45,7 @@ def test_an_admin_sees_each_engine_s_duty_cycle_and_each_tenant_s_usage(
     assert {"trainer", "sampler", "checkpoint", "gateway"} <= services
     (trainer,) = [e for e in body["engines"] if e["service"] == "trainer"]
     assert len(trainer["busy"]) >= 2
+    assert trainer["busy_since"] < trainer["busy"][0][0]  # the first interval's start
     assert all(0.0 <= share <= 1.0 for _, share in trainer["busy"])
     assert max(share for _, share in trainer["busy"]) > 0  # it trained in the last minutes
     assert trainer["gauges"]["tinsmith.base_models.loaded"] >= 1
