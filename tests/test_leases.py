@@ -4,6 +4,7 @@ orphaned when its lease expires, and at once when a replica restarts under the s
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterable
 
@@ -87,6 +88,24 @@ async def test_a_run_has_one_holder_until_it_is_released(connect: object) -> Non
     later = await b.fleet.take(run)
     assert later is not None and later > epoch
     assert not await a.fleet.confirm(run) and await b.fleet.confirm(run)
+
+
+async def test_a_hold_of_its_own_whose_answer_was_lost_is_taken_not_left_stuck(
+    connect: object,
+) -> None:
+    """A take whose update the bus applied but whose answer a lost connection never brought
+    (sent again, the same update is refused as out of date): the run's entry names this very
+    process, which does not know that it holds the run. Taking it again takes it at that
+    revision; before, the replica answered that another one held it, and nobody ran the run."""
+    assert callable(connect)
+    run = f"S{uuid.uuid4().hex[:8]}:train:0"
+    a, b = await connect(f"a-{run}"), await connect(f"b-{run}")
+    kv = await a.fleet.bus.js.key_value(subjects.RUN_OWNERS_BUCKET)
+    own = json.dumps({"name": a.fleet.name, "instance": a.fleet.instance}).encode()
+    revision = await kv.create(run.replace(":", "."), own)  # what the lost take left
+    assert await a.fleet.take(run) == revision
+    assert await a.fleet.confirm(run)
+    assert await b.fleet.take(run) is None  # and it is a's, alive
 
 
 async def test_a_dead_holder_s_runs_are_orphaned_after_its_lease_or_at_once_on_restart(

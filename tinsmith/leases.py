@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -155,25 +156,38 @@ class Fleet:
         return hold if self.alive(hold) else None
 
     async def take(self, model_id: str) -> int | None:
-        """Hold the run if nobody live does; its epoch, or None if another replica has it."""
+        """Hold the run if nobody live does; its epoch, or None if another replica has it. A
+        hold that is this very process's is its own, known or not: a take whose answer a lost
+        connection never brought was applied, and the same update sent again is refused as
+        out of date, so the run's entry is read again (where a stuck run was)."""
         kv = self._kv(self._runs_kv)
         key = _key(model_id)
         value = json.dumps({"name": self.name, "instance": self.instance}).encode()
-        try:
-            entry = await self.bus.resent_after_reconnect(lambda: kv.get(key))
-        except KeyNotFoundError as missing:
-            entry = missing.entry  # deleted (released): replaced at its revision
-        current = _hold(entry)
-        if current is not None and self.alive(current):
-            return self.held.get(model_id) if current.instance == self.instance else None
-        last = entry.revision if entry is not None and entry.revision else 0
-        try:
-            epoch = await kv.update(key, value, last=last)
-        except KeyWrongLastSequenceError:
-            return None  # another replica took it first
-        self.held[model_id] = epoch
-        self.holds[model_id] = Hold(self.name, self.instance, epoch)
-        await self._put_own()
+        for _ in range(2):  # a refused update: another took it first, or this one did
+            try:
+                entry = await self.bus.resent_after_reconnect(lambda: kv.get(key))
+            except KeyNotFoundError as missing:
+                entry = missing.entry  # deleted (released): replaced at its revision
+            current = _hold(entry)
+            if current is not None and self.alive(current):
+                if current.instance != self.instance:
+                    return None
+                return await self._hold_at(model_id, current.epoch)
+            last = entry.revision if entry is not None and entry.revision else 0
+            try:
+                epoch = await self.bus.resent_after_reconnect(
+                    functools.partial(kv.update, key, value, last=last)
+                )
+            except KeyWrongLastSequenceError:
+                continue
+            return await self._hold_at(model_id, epoch)
+        return None
+
+    async def _hold_at(self, model_id: str, epoch: int) -> int:
+        if self.held.get(model_id) != epoch:
+            self.held[model_id] = epoch
+            self.holds[model_id] = Hold(self.name, self.instance, epoch)
+            await self._put_own()
         return epoch
 
     async def confirm(self, model_id: str) -> bool:
@@ -189,7 +203,8 @@ class Fleet:
         return entry.revision == epoch
 
     async def release(self, model_id: str) -> None:
-        """Let go of a run (its state is in a recorded snapshot)."""
+        """Let go of a run: its next holder rebuilds it from its latest recorded snapshot and
+        the log."""
         epoch = self.held.pop(model_id, None)
         if epoch is None:
             return
