@@ -477,12 +477,16 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
         if run is not None:
             run.ready, run.tokenizer_id = True, body.tokenizer_id
     elif kind == "weights_saved":
+        if await _fenced(session, body.model_id, event):
+            return []
         return await _saved(session, seq, body, event.time)
     elif kind == "weights_copied":
         return await _copied(session, seq, event)
     elif kind == "session_project_assigned":
         await _project_assigned(session, body)
     elif kind in ("run_unloaded", "run_snapshotted"):
+        if await _fenced(session, body.model_id, event):
+            return []
         await _reference(session, body.snapshot_key, body.model_id, "snapshot", 0, seq)
         return await _superseded_snapshots(session, body.model_id)
     elif kind == "sampler_created":
@@ -504,6 +508,15 @@ async def apply(session: AsyncSession, seq: int, event: bus.Event) -> list[str]:
             row.ttl_seconds = body.ttl_seconds if body.HasField("ttl_seconds") else None
             row.expires_at = body.expires_at if body.HasField("expires_at") else None
     return []
+
+
+async def _fenced(session: AsyncSession, model_id: str, event: bus.Event) -> bool:
+    """Whether ``event`` was recorded by a trainer whose hold on the run a later placement
+    ended (``jobs.fenced``): what such a trainer saved or snapshotted is not the run's, as it
+    is not in the run's own fold. Its files are then referenced by nothing, and collected."""
+    epoch = events.epoch_of(event)
+    run = await _get(session, RunRow, model_id)
+    return run is not None and epoch != 0 and epoch < run.epoch
 
 
 async def _accepted(session: AsyncSession, seq: int, event: bus.Event) -> None:
@@ -614,9 +627,8 @@ async def _settled(session: AsyncSession, event: bus.Event) -> None:
         return
     run = await _get(session, RunRow, row.model_id) if row.model_id else None
     own = run is not None and row.aggregate_id == run.model_id
-    epoch = events.epoch_of(event)
-    if own and run is not None and epoch and epoch < run.epoch:
-        return  # fenced: recorded by a trainer that had lost the run
+    if own and await _fenced(session, row.model_id, event):
+        return  # recorded by a trainer that had lost the run
     row.finished_at = event.time
     if kind == "request_completed":
         row.status = "completed"

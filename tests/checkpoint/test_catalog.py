@@ -322,6 +322,47 @@ async def test_a_run_keeps_its_two_newest_snapshots_and_the_older_ones_are_remov
         await service.stop()
 
 
+async def test_what_a_trainer_that_lost_the_run_saved_is_not_the_run_s(
+    nats_url: str, eventlog: EventLog, blobs: BlobStore, tmp_path: Path
+) -> None:
+    """A trainer paused or cut off past its lease, whose run another replica took over, may
+    still record a checkpoint or a snapshot under its old hold (epoch): the run's own fold
+    ignores it (``jobs.fenced``), and so does the catalog, which listed such a checkpoint and
+    kept such a snapshot as the run's."""
+    run = "S9:train:0"
+    service = await start_service(nats_url, f"sqlite+aiosqlite:///{tmp_path / 'c.db'}", blobs)
+    try:
+        create = bus.CreateModel(session_id="S9", base_model="tinsmith/tiny")
+        await append(
+            eventlog,
+            request_accepted=bus.RequestAccepted(
+                request_id=f"{run}:0", aggregate_id=run, seq_id=0, create_model=create
+            ),
+        )
+        for replica, epoch in (("a", 1), ("b", 2)):
+            placed = bus.RunPlaced(model_id=run, replica=replica, epoch=epoch, takeover=epoch > 1)
+            await append(eventlog, run_placed=placed)
+        for name, epoch in (("late", 1), ("own", 2)):  # the old holder's, the new holder's
+            key = f"runs/{run}/weights/{name}"
+            size = await write_blob(blobs, key, tmp_path)
+            await append(
+                eventlog, weights_saved=saved(run, "weights", name, key, size, epoch=epoch)
+            )
+            snapshot = bus.RunSnapshotted(
+                model_id=run, snapshot_key=f"runs/{run}/snapshots/{name}", epoch=epoch
+            )
+            await append(eventlog, run_snapshotted=snapshot)
+        tables = await service.dump()
+        checkpoints = [
+            row["tinker_path"] for row in tables["checkpoints"] if run in row["model_id"]
+        ]
+        assert checkpoints == [f"tinker://{run}/weights/own"]
+        referenced = {row["key"] for row in tables["blobs"] if run in row["key"]}
+        assert referenced == {f"runs/{run}/weights/own", f"runs/{run}/snapshots/own"}
+    finally:
+        await service.stop()
+
+
 async def test_garbage_collection_removes_unrecorded_blobs_and_logs_them(
     nats_url: str,
     eventlog: EventLog,
