@@ -868,7 +868,10 @@ class Trainer:
         self.queues.pop(model_id, None)
         if model_id in self.engine.runs:  # not, where its restore failed
             await self.compute.run(self.engine.unload, model_id)
-        await self.fleet.release(model_id)
+        try:
+            await self.fleet.release(model_id)
+        except Exception:  # the hold names this process still: ``take`` takes it again
+            log.warning("could not release run %s; it is taken again", model_id, exc_info=True)
         log.warning(
             "let go of run %s unsnapshotted: a request of it ran whose result the log does not "
             "hold, so it is rebuilt from its latest snapshot and the log",
