@@ -113,6 +113,13 @@ _FUSED = frozenset({"forward_backward", "optim_step"})
 _STATEFUL = frozenset({"create_model", "load_weights", "forward_backward", "optim_step"})
 
 
+def _changes_run(accepted: bus.RequestAccepted) -> bool:
+    """Whether the request's work changes the run's state (a forward-only pass does not)."""
+    command = events.command_of(accepted)
+    forward_only = command == "forward_backward" and accepted.forward_backward.forward_only
+    return command in _STATEFUL and not forward_only
+
+
 class _Unrecorded(Exception):
     """A request of the run ran but its result is not what the log holds (it could not be
     recorded: the trainer is stopping, or lost the run; or the bus refused the result, and a
@@ -298,7 +305,7 @@ class Trainer:
         """Whether the run's next request is here, in its order right after the one running
         now, and is one the fuser takes."""
         queue = self.queues.get(model_id)
-        if queue is None or queue.lost or self.stopping:
+        if queue is None or queue.lost or queue.diverged or self.stopping:
             return False
         work = queue.pending.get(queue.next_seq + 1)
         state = self.projection.state.requests.get(work.request_id) if work else None
@@ -691,7 +698,7 @@ class Trainer:
                     before_recording=before_recording,
                 )
             finally:
-                if ran and not recorded and command in _STATEFUL:
+                if ran and not recorded and _changes_run(accepted):
                     # It changed the run, and the log says it did not (or says nothing yet).
                     queue.diverged = True
         if queue.diverged:
