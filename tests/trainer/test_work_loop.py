@@ -169,6 +169,34 @@ def _diverging(seed: int) -> tp.ForwardBackwardRequest:
     return request
 
 
+async def _created_and_passed(harness: Harness, *model_ids: str) -> None:
+    """Each run created, then given one forward_backward (seq_id 1), all settled."""
+    for model_id in model_ids:
+        await harness.settled(await harness.create(model_id))
+        await harness.settled(await harness.accept(model_id, 1, forward_backward=_batch(1)))
+
+
+@contextlib.asynccontextmanager
+async def _full(harness: Harness, *streams: str | tuple[str, int]) -> AsyncIterator[None]:
+    """The streams full, with JetStream's own limits (``max_msgs`` at the count they hold, plus
+    the room given with a name, and new messages refused), inside the block; as before after."""
+    js = harness.eventlog.bus.js
+    before = []
+    for stream in streams:
+        name, room = stream if isinstance(stream, tuple) else (stream, 0)
+        info = await js.stream_info(name)
+        assert info.state.messages is not None
+        before.append(info.config)
+        held = info.state.messages + room
+        full = dataclasses.replace(info.config, max_msgs=held, discard=api.DiscardPolicy.NEW)
+        await js.update_stream(full)
+    try:
+        yield
+    finally:
+        for config in before:
+            await js.update_stream(config)
+
+
 def _weights(trainer: Trainer, model_id: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in trainer.engine.runs[model_id].params.values()]
 
@@ -227,22 +255,11 @@ async def test_a_step_whose_result_the_bus_refuses_fails_and_changes_nothing(
     ends as a run that never took that step. Before, the step stayed applied in memory, and the
     next optim_step stepped from there."""
     caplog.set_level(logging.WARNING, logger="services.trainer.handlers")
-    js = harness.eventlog.bus.js
     async with harness.trainer() as trainer:
-        for model_id in ("refused", "clean"):
-            await harness.settled(await harness.create(model_id))
-            await harness.settled(await harness.accept(model_id, 1, forward_backward=_batch(1)))
-        info = await js.stream_info(subjects.RESULTS_STREAM)
-        assert info.state.messages is not None
-        full = dataclasses.replace(
-            info.config, max_msgs=info.state.messages, discard=api.DiscardPolicy.NEW
-        )
-        await js.update_stream(full)
-        try:
+        await _created_and_passed(harness, "refused", "clean")
+        async with _full(harness, subjects.RESULTS_STREAM):
             step = await harness.accept("refused", 2, optim_step=bus.OptimStep(adam=ADAM))
             (failed,) = await harness.settled(step)
-        finally:
-            await js.update_stream(info.config)
         assert _status(failed) == ("failed", "internal")
         assert "could not be recorded" in failed.error_detail
         # The same requests after it on both runs: the clean one never had the failed step.
@@ -269,33 +286,20 @@ async def test_a_stop_while_the_bus_refuses_a_steps_outcome_leaves_the_step_to_t
     from the log and runs the step. Before, the stop's snapshot (which the bus took by then)
     held the step and claimed its seq_id, so the next trainer never ran it, nor recorded it."""
     caplog.set_level(logging.WARNING, logger="services.trainer.handlers")
-    js = harness.eventlog.bus.js
     async with harness.trainer() as trainer:
-        for model_id in ("stopped", "clean"):
-            await harness.settled(await harness.create(model_id))
-            await harness.settled(await harness.accept(model_id, 1, forward_backward=_batch(1)))
+        await _created_and_passed(harness, "stopped", "clean")
         await harness.settled(await harness.accept("clean", 2, optim_step=bus.OptimStep(adam=ADAM)))
         clean = _weights(trainer, "clean")
-        results = await js.stream_info(subjects.RESULTS_STREAM)
-        log = await js.stream_info(subjects.EVENTS_STREAM)
-        assert results.state.messages is not None and log.state.messages is not None
-        for info, room in ((results, 0), (log, 1)):  # the log has room for the step's acceptance
-            await js.update_stream(
-                dataclasses.replace(
-                    info.config,
-                    max_msgs=info.state.messages + room,
-                    discard=api.DiscardPolicy.NEW,
-                )
-            )
-        step = await harness.accept("stopped", 2, optim_step=bus.OptimStep(adam=ADAM))
+        # The log has room for the step's acceptance, and for nothing after it.
+        async with _full(harness, subjects.RESULTS_STREAM, (subjects.EVENTS_STREAM, 1)):
+            step = await harness.accept("stopped", 2, optim_step=bus.OptimStep(adam=ADAM))
 
-        def refused_twice() -> bool:
-            said = [r.getMessage() for r in caplog.records]
-            return sum(f"could not record the failure of request {step}" in m for m in said) >= 2
+            def refused_twice() -> bool:
+                said = [r.getMessage() for r in caplog.records]
+                failing = f"could not record the failure of request {step}"
+                return sum(failing in m for m in said) >= 2
 
-        await harness.until(refused_twice)  # it tries again in 1 s
-        for info in (results, log):
-            await js.update_stream(info.config)
+            await harness.until(refused_twice)  # it tries again in 1 s
         await trainer.stop()
     assert any("let go of run stopped unsnapshotted" in r.getMessage() for r in caplog.records)
     async with harness.trainer() as successor:
