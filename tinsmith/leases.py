@@ -157,9 +157,9 @@ class Fleet:
 
     async def take(self, model_id: str) -> int | None:
         """Hold the run if nobody live does; its epoch, or None if another replica has it. A
-        hold that is this very process's is its own, known or not: a take whose answer a lost
-        connection never brought was applied, and the same update sent again is refused as
-        out of date, so the run's entry is read again (where a stuck run was)."""
+        hold that names this very process is its own, known or not: a take whose answer a lost
+        connection never brought was applied, and the same update, sent again, is refused as
+        out of date; the entry is then read again, and this process's hold found there."""
         kv = self._kv(self._runs_kv)
         key = _key(model_id)
         value = json.dumps({"name": self.name, "instance": self.instance}).encode()

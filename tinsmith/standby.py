@@ -41,6 +41,7 @@ import runpy
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 _PR_SET_NAME = 15
 # The line its log starts with once it has imported what it is named.
@@ -59,7 +60,7 @@ def _name_process(name: str) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
-def _import(modules: tuple[str, ...] | list[str]) -> None:
+def _import(modules: Iterable[str]) -> None:
     for module in modules:
         try:
             importlib.import_module(module)
