@@ -33,7 +33,7 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
         scratch = tempfile.TemporaryDirectory(prefix="tinsmith-catalog-")
         url = f"sqlite+aiosqlite:///{scratch.name}/catalog.db"
     engine = catalog.create_engine(url)
-    projection = SqlProjection(eventlog, engine)
+    projection = SqlProjection(eventlog, engine, gather_s=config.catalog_gather_s)
     # The catalog's snapshots (TINSMITH_PROJECTION_SNAPSHOT_EVENTS, _S), and after each, the event
     # log's retention (TINSMITH_EVENTS_RETENTION).
     projection.keep_snapshots(snapshots.Policy.from_env())

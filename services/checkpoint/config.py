@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -26,13 +27,23 @@ class CheckpointConfig:
     # "snapshots" purges, after each catalog snapshot, what every kind's newest projection
     # snapshot covers and nothing needs any more.
     events_retention: str = "keep"
+    # How long a live event waits to share its catalog transaction with those that follow it,
+    # while no reader waits for the tables (services/checkpoint/projection.py). 0: each event
+    # is folded as it arrives.
+    catalog_gather_s: float = 0.05
 
     @classmethod
     def from_env(cls) -> CheckpointConfig:
+        gather = os.environ.get("TINSMITH_CATALOG_GATHER_MS", "").strip()
         return cls(
             blob_url=os.environ.get("TINSMITH_BLOB_URL", "file://./blobs"),
             catalog_url=os.environ.get("TINSMITH_CATALOG_URL", ""),
             events_retention=_retention(os.environ.get("TINSMITH_EVENTS_RETENTION", "")),
+            catalog_gather_s=(
+                _milliseconds("TINSMITH_CATALOG_GATHER_MS", gather) / 1e3
+                if gather
+                else cls.catalog_gather_s
+            ),
         )
 
 
@@ -41,3 +52,13 @@ def _retention(value: str) -> str:
     if value not in ("snapshots", "keep"):
         raise SystemExit(f"TINSMITH_EVENTS_RETENTION={value!r}: use snapshots or keep")
     return value
+
+
+def _milliseconds(name: str, value: str) -> float:
+    try:
+        found = float(value)
+    except ValueError:
+        found = math.nan
+    if not math.isfinite(found) or found < 0:
+        raise SystemExit(f"{name}={value!r}: give a number of milliseconds, 0 or more")
+    return found

@@ -2,6 +2,11 @@
 folds each batch of events in one transaction that also moves the position; and the catalog's
 snapshots.
 
+A live trickle of events is gathered for up to ``gather_s`` into one transaction, unless a reader
+waits for the tables (``wait_for``, ``catch_up``): then what has arrived is folded at once. A
+transaction per event made the catalog the costliest service per sample request, as each
+request's acceptance and outcome came alone (bench/request_cost.py).
+
 Owns: starting from the stored position (a new, dropped or stale database is filled from the
 newest catalog snapshot, else replays the whole log), the batching, read-your-writes
 (``wait_for``, ``catch_up``), telling its owner which blobs an event stopped referencing and
@@ -13,6 +18,7 @@ an event means to a table (tinsmith/catalog.py), or the retention rule (retentio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -36,9 +42,12 @@ _RETRY_S = 30.0  # after a snapshot failed to be written, the next try waits thi
 
 
 class SqlProjection:
-    def __init__(self, eventlog: EventLog, engine: AsyncEngine) -> None:
+    def __init__(self, eventlog: EventLog, engine: AsyncEngine, *, gather_s: float = 0.0) -> None:
+        """``gather_s``: how long a live event waits for others to share its transaction while
+        no reader waits for the tables (0: each is folded as it arrives)."""
         self.eventlog = eventlog
         self.engine = engine
+        self.gather_s = gather_s
         self.sessions: async_sessionmaker[AsyncSession] | None = None
         self.position = 0
         # Events up to here were in the log when this process started: a blob they released is
@@ -48,6 +57,8 @@ class SqlProjection:
         # server for no more than its window (tinsmith/follower.py) instead of buffering the log.
         self._queue: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue(maxsize=4 * _BATCH)
         self._changed = asyncio.Condition()
+        self._readers = 0  # waiting in wait_for: the batch being gathered is folded at once
+        self._awaited = asyncio.Event()
         self._listeners: list[Folded] = []
         self.snapshots = snapshots.Store(eventlog.bus)
         self.policy: snapshots.Policy | None = None  # keep_snapshots: write the catalog's
@@ -166,6 +177,9 @@ class SqlProjection:
     async def _fold_forever(self) -> None:
         while True:
             batch = [await self._queue.get()]
+            if self.gather_s > 0 and not self._awaited.is_set() and self._queue.qsize() < _BATCH:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._awaited.wait(), self.gather_s)
             while len(batch) < _BATCH:
                 if self._queue.empty():
                     # Let the reader hand over what it holds already (a replay has a window of
@@ -304,14 +318,23 @@ class SqlProjection:
         return released, kinds
 
     async def wait_for(self, position: int, timeout: float | None = None) -> bool:
-        """Wait until the tables reflect the log up to ``position``; False on timeout."""
+        """Wait until the tables reflect the log up to ``position``; False on timeout. While
+        anyone waits, events are folded as they arrive, not gathered."""
         async with self._changed:
+            if self.position >= position:
+                return True
+            self._readers += 1
+            self._awaited.set()
             try:
                 await asyncio.wait_for(
                     self._changed.wait_for(lambda: self.position >= position), timeout
                 )
             except TimeoutError:
                 return False
+            finally:
+                self._readers -= 1
+                if not self._readers:
+                    self._awaited.clear()
         return True
 
     async def catch_up(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from services.checkpoint.config import CheckpointConfig
 from services.checkpoint.handlers import Catalog
 from services.checkpoint.projection import SqlProjection
 from services.checkpoint.storage import Storage
@@ -53,11 +54,16 @@ class Service:
 
 
 async def start_service(
-    nats_url: str, catalog_url: str, blobs: BlobStore, *, start_storage: bool = False
+    nats_url: str,
+    catalog_url: str,
+    blobs: BlobStore,
+    *,
+    start_storage: bool = False,
+    gather_s: float = 0.0,
 ) -> Service:
     connection = await Bus.connect(nats_url, name="checkpoint-test")
     eventlog = EventLog(connection)
-    projection = SqlProjection(eventlog, catalog.create_engine(catalog_url))
+    projection = SqlProjection(eventlog, catalog.create_engine(catalog_url), gather_s=gather_s)
     storage = Storage(eventlog, projection, blobs, gc_grace_s=3600, gc_interval_s=3600)
     service = Catalog(eventlog, projection, storage, blobs, url_ttl_s=600)
     await projection.start()
@@ -235,6 +241,34 @@ async def test_dropping_the_database_rebuilds_an_identical_catalog(
     await again.stop()
 
 
+async def test_live_events_are_folded_together_unless_a_reader_waits(
+    nats_url: str, eventlog: EventLog, blobs: BlobStore, tmp_path: Path
+) -> None:
+    # A gathering that only a reader ends: events that arrive alone wait for company, and a
+    # read that waits for the tables has them folded at once, all in one transaction.
+    url = f"sqlite+aiosqlite:///{tmp_path / 'c.db'}"
+    service = await start_service(nats_url, url, blobs, gather_s=3600.0)
+    batches: list[set[str]] = []
+
+    async def folded(released: list[str], kinds: set[str]) -> None:
+        batches.append(kinds)
+
+    service.projection.on_folded(folded)
+    try:
+        for n in range(12):
+            await append(
+                eventlog,
+                session_created=bus.SessionCreated(session_id=f"S{n}", owner="key-alice"),
+            )
+        await asyncio.sleep(0.5)
+        assert batches == []  # no reader: still gathering
+        await asyncio.wait_for(service.projection.catch_up(), 30)
+        assert batches == [{"session_created"}]
+        assert len((await service.ask("sessions", owner="key-alice"))["sessions"]) == 12
+    finally:
+        await service.stop()
+
+
 async def test_reads_are_scoped_to_the_caller_and_storage_is_accounted_per_user(
     nats_url: str, eventlog: EventLog, blobs: BlobStore, tmp_path: Path
 ) -> None:
@@ -393,3 +427,18 @@ async def test_garbage_collection_removes_unrecorded_blobs_and_logs_them(
         assert sorted(left) == sorted(recorded)
     finally:
         await service.stop()
+
+
+def test_the_catalog_gathers_for_50_ms_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("TINSMITH_CATALOG_GATHER_MS", raising=False)
+    assert CheckpointConfig.from_env().catalog_gather_s == 0.05
+    monkeypatch.setenv("TINSMITH_CATALOG_GATHER_MS", "0")
+    assert CheckpointConfig.from_env().catalog_gather_s == 0.0
+    monkeypatch.setenv("TINSMITH_CATALOG_GATHER_MS", "12.5")
+    assert CheckpointConfig.from_env().catalog_gather_s == 0.0125
+    for wrong in ("-1", "soon", "nan"):
+        monkeypatch.setenv("TINSMITH_CATALOG_GATHER_MS", wrong)
+        with pytest.raises(SystemExit, match="TINSMITH_CATALOG_GATHER_MS="):
+            CheckpointConfig.from_env()
