@@ -334,13 +334,18 @@ class _Protocol(web.RequestHandler):
 async def serve(app: web.Application, host: str, port: int) -> Callable[[], Awaitable[None]]:
     """Serve ``app`` on ``host:port``; return its stop function. Like aiohttp's ``TCPSite``,
     with ``_Protocol`` for each connection."""
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app)
     await runner.setup()
     manager = runner.server
     assert manager is not None
     loop = asyncio.get_running_loop()
+    # No access log: every call is in the event log, traced and counted (tinsmith/telemetry.py),
+    # and a line per call was the largest part of the gateway's CPU per request after the calls
+    # themselves (bench/request_cost.py). None is what aiohttp's own server passes for that; its
+    # annotation says Logger.
+    quiet: Any = None
     server = await loop.create_server(
-        lambda: _Protocol(manager, loop=loop), host, port, reuse_address=True
+        lambda: _Protocol(manager, loop=loop, access_log=quiet), host, port, reuse_address=True
     )
 
     async def stop() -> None:
