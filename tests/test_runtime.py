@@ -3,11 +3,14 @@ container's cgroup quota bounds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
 
 from tinsmith import runtime
+from tinsmith.bus import ended
 
 
 def _cgroup(root: Path, files: dict[str, str]) -> Path:
@@ -44,3 +47,33 @@ def test_torch_threads_are_half_the_usable_cpus_unless_set(
     monkeypatch.setenv("TINSMITH_TORCH_THREADS", "0")
     with pytest.raises(SystemExit, match="at least 1"):
         runtime.torch_threads()
+
+
+async def test_ended_waits_for_cancelled_tasks_to_finish_and_counts_those_that_do_not() -> None:
+    finished: list[str] = []
+
+    async def cleans_up() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.05)  # a transaction being rolled back, say
+            finished.append("cleaned up")
+
+    released = asyncio.Event()
+
+    async def ignores_it() -> None:
+        while not released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await released.wait()
+
+    polite = asyncio.ensure_future(cleans_up())
+    await asyncio.sleep(0)
+    assert await ended([polite], timeout_s=10) == 0
+    assert finished == ["cleaned up"] and polite.cancelled()
+
+    stubborn = asyncio.ensure_future(ignores_it())
+    await asyncio.sleep(0)
+    assert await ended([stubborn, polite], timeout_s=0.2) == 1
+    assert not stubborn.done()
+    released.set()
+    await stubborn

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
 
 from nats.aio.client import Client
@@ -331,11 +331,26 @@ class Bus:
                         ) from exc
                     attempt_s *= 2
 
-    def spawn(self, coro: Awaitable[None]) -> None:
-        """Run a background task owned by this connection; it is cancelled on close."""
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Future[None]:
+        """Run a background task owned by this connection; it is cancelled on close (or by its
+        owner, which the task is returned to)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+
+async def ended(tasks: Iterable[asyncio.Future[None]], timeout_s: float) -> int:
+    """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end, whatever they end with;
+    return how many have not (a database connection cancelled as it opens may never end its
+    close: tinsmith/runtime.py)."""
+    pending = [task for task in tasks if not task.done()]
+    for task in pending:
+        task.cancel()
+    if not pending:
+        return 0
+    _, running = await asyncio.wait(pending, timeout=timeout_s)
+    return len(running)
 
 
 def _messaging(subject: str, operation: str) -> dict[str, str]:

@@ -8,6 +8,7 @@ the catalog and purges the event log below what every snapshot covers.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Awaitable, Callable
 
@@ -21,6 +22,12 @@ from .handlers import Catalog
 from .projection import SqlProjection
 from .retention import Retention
 from .storage import Storage
+
+log = logging.getLogger(__name__)
+# How long a stop waits for the catalog's own tasks to end before it closes the database: a
+# transaction or query they had begun finishes in milliseconds; the runtime then gives what is
+# left of the process a second more (tinsmith/runtime.py).
+_STOP_WAIT_S = 2.0
 
 
 async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
@@ -53,9 +60,17 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
         await bus.serve(subjects.catalog_subject(op), handler)
 
     async def stop() -> None:
+        # What uses the database ends first: a query still running in SQLite's thread when the
+        # engine is disposed and its directory removed writes into a removed directory.
+        running = await storage.stop(_STOP_WAIT_S) + await projection.stop(_STOP_WAIT_S)
+        if running:
+            log.warning("%d catalog task(s) did not end within %.0f s", running, _STOP_WAIT_S)
         await engine.dispose()
         if scratch is not None:
-            scratch.cleanup()
+            try:
+                scratch.cleanup()
+            except OSError as exc:  # a query that outlived its cancellation wrote into it
+                log.warning("could not remove the throwaway catalog %s: %s", scratch.name, exc)
 
     return stop
 

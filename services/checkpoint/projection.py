@@ -29,6 +29,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from tinsmith import catalog, events, snapshots, subjects
+from tinsmith.bus import ended
 from tinsmith.eventlog import EventLog, LogTruncated
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class SqlProjection:
         self._writing = False
         self._failed_at = -_RETRY_S  # when the last write failed: the next waits _RETRY_S
         self._started = False
+        self._folder: asyncio.Future[None] | None = None
 
     def on_folded(self, listener: Folded) -> None:
         """Call ``listener(released blob keys, event kinds)`` after each committed batch, before
@@ -110,7 +112,7 @@ class SqlProjection:
         self.position = stored
         self._first_since = time.monotonic()
         self.replayed_until = last
-        bus_.spawn(self._fold_forever())
+        self._folder = bus_.spawn(self._fold_forever())
         await bus_.follow(
             subjects.EVENTS_STREAM, subjects.EVENTS_ALL, self._on_event, start_seq=stored + 1
         )
@@ -118,6 +120,14 @@ class SqlProjection:
         log.info("catalog at log position %d (replayed from %d)", last, stored)
         self._started = True  # snapshots from here on, not in the middle of the replay
         self._maybe_write()
+
+    async def stop(self, timeout_s: float) -> int:
+        """End the folding, waiting up to ``timeout_s`` for a transaction it had begun, so that
+        the database can be closed under nothing; returns 1 if it has not ended. (What the reader
+        still hands over waits in the queue, unfolded, until the connection's close ends the
+        reader: the next start reads it again.)"""
+        folder, self._folder = self._folder, None
+        return await ended([folder] if folder is not None else [], timeout_s)
 
     async def _restore(self, stored: int, first: int) -> int:
         """Fill the tables from the newest catalog snapshot when they are empty (faster than a

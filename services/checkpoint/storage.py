@@ -18,6 +18,7 @@ import time
 from tinsmith import artifacts, catalog, events
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith.blobs import BlobStore
+from tinsmith.bus import ended
 from tinsmith.eventlog import EventLog
 
 from .projection import SqlProjection
@@ -45,11 +46,21 @@ class Storage:
         self.gc_grace_s = gc_grace_s
         self.gc_interval_s = gc_interval_s
         self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Future[None]] = []
         projection.on_folded(self._after_fold)
 
     def start(self) -> None:
-        self.log.bus.spawn(self._expire_forever())
-        self.log.bus.spawn(self._collect_forever())
+        self._tasks = [
+            self.log.bus.spawn(self._expire_forever()),
+            self.log.bus.spawn(self._collect_forever()),
+        ]
+
+    async def stop(self, timeout_s: float) -> int:
+        """End the expiry and collection loops, waiting up to ``timeout_s`` for a query they had
+        begun, so that the catalog's database can be closed under nothing; returns how many have
+        not ended."""
+        tasks, self._tasks = self._tasks, []
+        return await ended(tasks, timeout_s)
 
     async def _after_fold(self, released: list[str], kinds: set[str]) -> None:
         if kinds & {"weights_saved", "checkpoint_ttl_set"}:
