@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.trainer import engine as engine_module
 from services.trainer.engine import TrainerEngine
 from services.trainer.fusion import default_limits
 from tests.trainer.test_memory import TINY, _engine, _outputs, _request
@@ -171,6 +172,17 @@ ADAMS = (
 )
 
 
+@pytest.fixture(params=["one group", "a group a run"])
+def step_groups(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """On the CPU a joint optim_step computes its runs in groups of at most
+    ``CPU_STEP_GROUP_BYTES`` of weights: the tiny runs here fit one group, and with a bound of
+    one byte each run is a group of its own."""
+    if request.param == "a group a run":
+        monkeypatch.setattr(engine_module, "CPU_STEP_GROUP_BYTES", 1)
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("step_groups")
 def test_optim_steps_taken_together_are_what_each_takes_alone() -> None:
     """Runs at different step counts, with different AdamW settings, stepped at once: the same
     weights, AdamW state and metrics as each stepped alone, bit for bit."""
@@ -197,6 +209,7 @@ def test_optim_steps_taken_together_are_what_each_takes_alone() -> None:
     } == {2.0}
 
 
+@pytest.mark.usefixtures("step_groups")
 def test_a_step_that_is_refused_in_a_joint_step_is_refused_alone() -> None:
     """Non-finite gradients, and a learning rate that makes the weights non-finite: each of those
     runs is refused with its weights, AdamW state and gradients as they were, and the third run
