@@ -41,6 +41,7 @@ import tinker
 from tinker import types
 
 from bench.sample_throughput import prompts_for
+from bench.train_overhead import start_system
 from tinsmith import models
 from tinsmith.child import UpProcess, sigterm_as_interrupt
 
@@ -118,12 +119,10 @@ class System:
 def start(
     name: str, env: dict[str, str], work: Path, cache: Path, batch: int, prompt: int
 ) -> System:
-    up = UpProcess(work / name, env={"TINSMITH_CACHE_DIR": str(cache), **env})
+    up = start_system(work / name, cache, env=env)
     try:
-        up.wait_ready(300)
-        up.wait_standby(300)
         service = tinker.ServiceClient(base_url=up.url, api_key=f"tml-{name}")
-        client = service.create_sampling_client(base_model=MODEL)
+        client = service.create_sampling_client(base_model=MODEL).result()
         prompts = [
             types.ModelInput.from_ints(row.tolist()) for row in prompts_for(MODEL, batch, prompt, 0)
         ]
@@ -178,13 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in configured.per_request:
         mine = statistics.median(configured.per_request[name])
         theirs = statistics.median(against.per_request[name])
-        ratio = f"{mine / theirs:.2f}" if theirs > 0 else "-"
-        print(f"  {name:22s}{mine:14.2f}{theirs:32.2f}{ratio:>8s}")
+        shown = f"{mine / theirs:.2f}" if theirs > 0 else "-"
+        print(f"  {name:22s}{mine:14.2f}{theirs:32.2f}{shown:>8s}")
     total = [sum(statistics.median(s.per_request[n]) for n in s.per_request) for s in systems]
     print(f"  {'all':22s}{total[0]:14.2f}{total[1]:32.2f}{total[0] / total[1]:8.2f}")
     rates = [statistics.median(s.rates) for s in systems]
-    ratio = rates[0] / rates[1]
-    print(f"\nrequests/s, median over blocks: {rates[0]:.1f} and {rates[1]:.1f} ({ratio:.2f}x)")
+    faster = rates[0] / rates[1]
+    print(f"\nrequests/s, median over blocks: {rates[0]:.1f} and {rates[1]:.1f} ({faster:.2f}x)")
     for system in systems:
         print(f"  {system.name}: {' '.join(f'{r:.1f}' for r in system.rates)}")
     return 0

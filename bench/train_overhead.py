@@ -74,10 +74,16 @@ def nats_url(system: UpProcess) -> str:
     return f"nats://{found.group(1)}"
 
 
-def start_system(data_dir: Path, cache_dir: Path, timeout_s: float = 300.0) -> UpProcess:
-    """``tinsmith up`` on a free port; returns once it prints that it is ready and its standby
-    interpreter has done its imports (``UpProcess.wait_standby``)."""
-    system = UpProcess(data_dir, env={"TINSMITH_CACHE_DIR": str(cache_dir)})
+def start_system(
+    data_dir: Path,
+    cache_dir: Path,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> UpProcess:
+    """``tinsmith up`` on a free port (``env`` added to its environment); returns once it prints
+    that it is ready and its standby interpreter has done its imports
+    (``UpProcess.wait_standby``)."""
+    system = UpProcess(data_dir, env={"TINSMITH_CACHE_DIR": str(cache_dir), **(env or {})})
     try:
         system.wait_ready(timeout_s)
         system.wait_standby(timeout_s)

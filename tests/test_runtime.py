@@ -49,7 +49,7 @@ def test_torch_threads_are_half_the_usable_cpus_unless_set(
         runtime.torch_threads()
 
 
-async def test_ended_waits_for_cancelled_tasks_to_finish_and_counts_those_that_do_not() -> None:
+async def test_ended_waits_for_cancelled_tasks_to_finish_and_names_those_that_do_not() -> None:
     finished: list[str] = []
 
     async def cleans_up() -> None:
@@ -68,12 +68,12 @@ async def test_ended_waits_for_cancelled_tasks_to_finish_and_counts_those_that_d
 
     polite = asyncio.ensure_future(cleans_up())
     await asyncio.sleep(0)
-    assert await ended([polite], timeout_s=10) == 0
+    assert await ended([polite], timeout_s=10) == set()
     assert finished == ["cleaned up"] and polite.cancelled()
 
     stubborn = asyncio.ensure_future(ignores_it())
     await asyncio.sleep(0)
-    assert await ended([stubborn, polite], timeout_s=0.2) == 1
+    assert await ended([stubborn, polite], timeout_s=0.2) == {stubborn}
     assert not stubborn.done()
     released.set()
     await stubborn

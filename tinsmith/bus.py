@@ -18,7 +18,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -122,13 +122,10 @@ class Bus:
 
     async def close(self) -> None:
         self._closing = True
-        for task in self._tasks:
-            task.cancel()
         # Bounded: nats-py's fetch can swallow a cancel (a pull consumer's loop then held the
         # stop of a trainer for 15 s); the drain below ends such a loop anyway, by closing the
         # connection under its fetch.
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=CLOSE_TASKS_TIMEOUT_S)
+        await ended(list(self._tasks), CLOSE_TASKS_TIMEOUT_S)
         await self.nc.drain()
 
     async def ensure_streams(self, results_max_age_s: float) -> None:
@@ -340,17 +337,17 @@ class Bus:
         return task
 
 
-async def ended(tasks: Iterable[asyncio.Future[None]], timeout_s: float) -> int:
+async def ended(tasks: Iterable[asyncio.Future[Any]], timeout_s: float) -> set[asyncio.Future[Any]]:
     """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end, whatever they end with;
-    return how many have not (a database connection cancelled as it opens may never end its
-    close: tinsmith/runtime.py)."""
+    return those that have not (some swallow a cancel: nats-py's fetch; a SQLAlchemy aiosqlite
+    connection cancelled as it opens never ends its close)."""
     pending = [task for task in tasks if not task.done()]
     for task in pending:
         task.cancel()
     if not pending:
-        return 0
+        return set()
     _, running = await asyncio.wait(pending, timeout=timeout_s)
-    return len(running)
+    return running
 
 
 def _messaging(subject: str, operation: str) -> dict[str, str]:

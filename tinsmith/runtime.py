@@ -30,7 +30,7 @@ from aiohttp import web
 from nats.errors import Error as NatsError
 
 from tinsmith import health, host_allocator, models, subjects, telemetry
-from tinsmith.bus import Bus
+from tinsmith.bus import Bus, ended
 from tinsmith.compute import ComputeThread
 from tinsmith.failures import TinsmithError
 from tinsmith.limits import count_from_env
@@ -161,13 +161,9 @@ def _end_tasks(loop: asyncio.AbstractEventLoop, name: str) -> None:
     task that never ends its cancellation (SQLAlchemy's aiosqlite connection, cancelled while it
     opened, waits for a close that never comes) kept a service that was stopped while starting
     from ever exiting."""
-    tasks = asyncio.all_tasks(loop)
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        _, pending = loop.run_until_complete(asyncio.wait(tasks, timeout=END_TASKS_TIMEOUT_S))
-        for task in pending:
-            log.warning("%s: left behind a task that ignored its cancellation: %r", name, task)
+    pending = loop.run_until_complete(ended(asyncio.all_tasks(loop), END_TASKS_TIMEOUT_S))
+    for task in pending:
+        log.warning("%s: left behind a task that ignored its cancellation: %r", name, task)
     loop.run_until_complete(loop.shutdown_asyncgens())
 
 

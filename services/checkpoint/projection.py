@@ -127,7 +127,7 @@ class SqlProjection:
         still hands over waits in the queue, unfolded, until the connection's close ends the
         reader: the next start reads it again.)"""
         folder, self._folder = self._folder, None
-        return await ended([folder] if folder is not None else [], timeout_s)
+        return len(await ended([folder] if folder is not None else [], timeout_s))
 
     async def _restore(self, stored: int, first: int) -> int:
         """Fill the tables from the newest catalog snapshot when they are empty (faster than a

@@ -60,7 +60,7 @@ class Storage:
         begun, so that the catalog's database can be closed under nothing; returns how many have
         not ended."""
         tasks, self._tasks = self._tasks, []
-        return await ended(tasks, timeout_s)
+        return len(await ended(tasks, timeout_s))
 
     async def _after_fold(self, released: list[str], kinds: set[str]) -> None:
         if kinds & {"weights_saved", "checkpoint_ttl_set"}:
