@@ -87,10 +87,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from services import device, lora_slots, norms
+from services import base_model, device, lora_slots
 from services.device import DEVICE_VARIABLE, MEMORY_VARIABLE, Placement
 from services.lora_slots import NO_ADAPTER
 from tinsmith import lora, models
@@ -271,20 +271,17 @@ class TorchEngine:
         if base is None:
             directory = models.materialize(name, self.cache_dir)
             placement = self.placement
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=placement.dtype)
-            model.requires_grad_(False)
-            model.eval()  # type: ignore[no-untyped-call]
             try:
-                torch.nn.Module.to(model, placement.device)
+                model = base_model.load(directory, placement, few_rows=True)
             except Exception as exc:
                 if not device.is_out_of_memory(exc):
                     raise
+                weights = base_model.weights_bytes(directory, placement.dtype)
                 raise Unavailable(
                     f"the base model {name!r} does not fit on {placement.device} "
-                    f"({_weight_bytes(model) / 2**30:.1f} GiB of weights in {placement.dtype}): "
+                    f"({weights / 2**30:.1f} GiB of weights in {placement.dtype}): "
                     f"{str(exc).splitlines()[0]}"
                 ) from None
-            norms.fuse(model)
             config = json.loads((directory / "config.json").read_text())
             eos_ids = models.eos_ids_of(config)
             tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))

@@ -57,14 +57,13 @@ import numpy as np
 import torch
 from opentelemetry import trace
 from peft import LoraConfig
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from services import base_model, lora_slots
 from services import device as devices
-from services import lora_slots, norms
 from services.device import MEMORY_VARIABLE, Placement
 from services.lora_slots import Slots
 from tinsmith import artifacts, limits, models
@@ -402,12 +401,8 @@ class TrainerEngine:
         goes into it)."""
         directory = models.materialize(name, self.cache_dir)
         dtype = self.placement.dtype
-        self._fit(_weights_bytes(directory, dtype), f"base model {name}", keep=name)
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-        model.requires_grad_(False)
-        model.eval()  # type: ignore[no-untyped-call]
-        model.to(self.placement.device)  # type: ignore[arg-type]
-        norms.fuse(model)
+        self._fit(base_model.weights_bytes(directory, dtype), f"base model {name}", keep=name)
+        model = base_model.load(directory, self.placement)
         tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
         head = model.get_output_embeddings()  # type: ignore[no-untyped-call]
         assert isinstance(head, torch.nn.Linear)
@@ -1285,16 +1280,6 @@ def _initialise(params: dict[str, torch.nn.Parameter], seed: int) -> None:
                 param.copy_(value)
             elif ".lora_B." in name:
                 param.zero_()
-
-
-def _weights_bytes(directory: Path, dtype: torch.dtype) -> int:
-    """What a model directory's weights take in ``dtype``, from its safetensors headers."""
-    cells = 0
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as file:
-            for key in file.keys():  # noqa: SIM118 (a safetensors file is not a dict)
-                cells += math.prod(file.get_slice(key).get_shape())
-    return cells * dtype.itemsize
 
 
 def _accumulate(
