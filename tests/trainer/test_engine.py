@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.trainer import engine as engine_module
 from services.trainer.engine import TrainerEngine
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
@@ -246,3 +247,17 @@ def test_a_checkpoint_that_does_not_fit_leaves_the_run_as_it_was(
     with pytest.raises(InvalidRequest, match="does not fit this run"):
         engine.create_run("from-it", create, tmp_path)
     assert "from-it" not in engine.runs  # a run whose checkpoint does not load is not created
+
+
+def test_the_finiteness_check_names_exactly_the_tensors_with_a_nan_or_an_infinity() -> None:
+    tensors = {
+        "fine": torch.ones(3),
+        "huge": torch.full((4,), 3e38),  # finite, but its squares overflow
+        "nan": torch.tensor([1.0, math.nan]),
+        "none": None,
+        "inf": torch.tensor([[-math.inf, 0.0]]),
+        "huge and nan": torch.tensor([3e38, math.nan]),
+    }
+    assert engine_module._not_finite(tensors) == ["nan", "inf", "huge and nan"]
+    assert engine_module._not_finite({"fine": torch.ones(2), "huge": torch.full((2,), 1e30)}) == []
+    assert engine_module._not_finite({}) == []
