@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import pytest
 
@@ -186,5 +187,41 @@ async def test_requests_that_come_to_an_idle_sampler_together_start_together(
             )
         both = {ticket: 4 for ticket in (0, 1)}  # four sequences each
         assert first_rows == ([both] if batch_delay_s else [{0: 4}])
+    finally:
+        await sampler.stop()
+
+
+async def test_the_batch_delay_runs_from_the_first_admission(eventlog: EventLog) -> None:
+    """The event loop is held up for 0.4 s just as the first request is given to the engine:
+    the first step still begins the delay (0.6 s) after that admission, not the delay after
+    the loop was free again (1.0 s)."""
+    delay_s, held_up_s = 0.6, 0.4
+    sampler, projection = await _start(eventlog, delay_s)
+    engine = sampler.engine
+    loop = asyncio.get_running_loop()
+    admitted: list[float] = []
+    stepped: list[float] = []
+    add, step = engine.add, engine.step
+
+    def observed_add(*args: Any, **kwargs: Any) -> None:
+        add(*args, **kwargs)
+        if not admitted:
+            admitted.append(time.monotonic())
+            loop.call_soon_threadsafe(time.sleep, held_up_s)  # the loop, busy elsewhere
+
+    def observed_step() -> list[tuple[int, bytes | Exception]]:
+        if not stepped:
+            stepped.append(time.monotonic())
+        return step()
+
+    engine.add = observed_add  # type: ignore[method-assign]
+    engine.step = observed_step  # type: ignore[method-assign]
+    try:
+        request = await _accept(eventlog, 0, max_tokens=4)
+        assert await projection.wait_until(
+            lambda: _status(projection, request) is jobs.Status.COMPLETED, 60.0
+        )
+        waited = stepped[0] - admitted[0]
+        assert delay_s - 0.05 <= waited < delay_s + 0.25, waited
     finally:
         await sampler.stop()
