@@ -21,8 +21,9 @@ by step so that the machine's noise falls on both alike, after one unmeasured wa
    (unmeasured), and their ratio.
 
 The engines compute where the trainer would (``TINSMITH_DEVICE``, ``auto``: a GPU where there
-is one; base weights in ``TINSMITH_DTYPE``, services/device.py), and each timed step ends with
-the device synchronized, so a GPU's queued work is inside the step that queued it.
+is one; base weights in ``TINSMITH_DTYPE``, services/device.py), with the host allocator the
+trainer's process sets (``tinsmith.host_allocator.tune``), and each timed step ends with the
+device synchronized, so a GPU's queued work is inside the step that queued it.
 
 One run (1 or 16 runs alike) has nothing to fuse with: its ratio is the overhead of the fused
 path, 1.0 within the noise.
@@ -44,7 +45,7 @@ import transformers
 
 from services.device import Placement, placement_from_env, synchronize
 from services.trainer.engine import TrainerEngine
-from tinsmith import models, runtime
+from tinsmith import host_allocator, models, runtime
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 
@@ -169,12 +170,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=runtime.torch_threads())
     args = parser.parse_args()
+    allocator = host_allocator.tune()  # as the trainer's process sets it (tinsmith/runtime.py)
     transformers.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     models.materialize(args.model)
     placement = placement_from_env()
     print(
         f"{args.model}, rank {RANK}, on {placement.describe()}, {args.threads} torch threads; "
-        f"median of {args.steps} steps",
+        f"median of {args.steps} steps; host memory through {allocator}",
         flush=True,
     )
     print(f"\n1. runs of {args.datums} x {args.tokens} tokens each")
