@@ -59,18 +59,17 @@ def load(directory: Path, placement: Placement, *, few_rows: bool = False) -> Pr
     return model
 
 
-def own_host_tensors(model: torch.nn.Module, *, transpose_linear: bool = False) -> int:
+def own_host_tensors(model: torch.nn.Module, *, transpose_linear: bool = False) -> None:
     """Copy every parameter and buffer of ``model`` that is on the CPU into storage of its own,
-    in place (the parameter stays the same object, so tied weights stay tied); returns how many
-    tensors were copied. ``transpose_linear``: the weight of each ``nn.Linear`` is stored
-    transposed (the same [out, in] tensor, its columns contiguous), which is what a product of a
-    few rows by it is fastest with on the CPU (see the module's docstring)."""
+    in place (the parameter stays the same object, so tied weights stay tied).
+    ``transpose_linear``: the weight of each ``nn.Linear`` is stored transposed (the same
+    [out, in] tensor, its columns contiguous), which is what a product of a few rows by it is
+    fastest with on the CPU (see the module's docstring)."""
     linear = (
         {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
         if transpose_linear
         else set()
     )
-    copied = 0
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.device.type != "cpu":
@@ -79,8 +78,6 @@ def own_host_tensors(model: torch.nn.Module, *, transpose_linear: bool = False) 
                 tensor.data = tensor.data.t().contiguous().t()
             else:
                 tensor.data = tensor.data.clone(memory_format=torch.contiguous_format)
-            copied += 1
-    return copied
 
 
 def weights_bytes(directory: Path, dtype: torch.dtype) -> int:
