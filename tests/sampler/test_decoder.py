@@ -177,9 +177,40 @@ def test_its_rotation_of_queries_and_keys_together_is_each_architectures_bit_for
     cos, sin = model.model.rotary_emb(hidden, positions)
     modelling = sys.modules[type(layer).__module__]
     want_q, want_k = modelling.apply_rotary_pos_emb(q, k, cos, sin)
-    both = lean._rotate(torch.cat((q, k), dim=1), cos.unsqueeze(1), sin.unsqueeze(1))
+    signed_sin = lean._signed(sin.unsqueeze(1))  # once a forward, for every layer
+    both = lean._rotate(torch.cat((q, k), dim=1), cos.unsqueeze(1), signed_sin)
     assert torch.equal(both[:, : q.shape[1]], want_q)
     assert torch.equal(both[:, q.shape[1] :], want_k)
+
+
+@torch.inference_mode()
+def test_the_hooks_of_its_modules_run() -> None:
+    """It calls its modules' forwards, without the module call, until one has hooks, registered
+    before it was made or after: then all are called as modules, and the hooks run."""
+    model = _model(CONFIGS["qwen2"])
+    seen: list[tuple[int, ...]] = []
+    ids = torch.tensor([[5, 6, 7]])
+    forward = Decoder(model)
+    called: list[str] = []
+    call = torch.nn.Module.__call__
+
+    def counted(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        called.append(type(module).__name__)
+        return call(module, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.Module, "__call__", counted)
+        want = forward(ids, torch.ones_like(ids), torch.arange(3)[None]).logits
+        assert called == []  # no module called as a module
+        handle = model.model.layers[1].mlp.up_proj.register_forward_hook(
+            lambda module, args, out: seen.append(tuple(out.shape))
+        )
+        got = forward(ids, torch.ones_like(ids), torch.arange(3)[None]).logits
+    assert seen == [(1, 3, SIZES["intermediate_size"])]
+    assert "Linear" in called and torch.equal(got, want)
+    handle.remove()
+    forward(ids, torch.ones_like(ids), torch.arange(3)[None])
+    assert len(seen) == 1
 
 
 def test_what_it_does_not_compute_runs_through_transformers() -> None:
