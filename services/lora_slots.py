@@ -59,6 +59,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -304,6 +305,9 @@ class SlotLinear(nn.Module):
     def __init__(self, base: nn.Linear, slots: Slots, path: str) -> None:
         super().__init__()
         self.base = base
+        # The base's parameters by name, read at each call: without the module's attribute
+        # lookup (``nn.Module.__getattr__``, three a call, 1-2% of a decoding step).
+        self._base_parameters = base._parameters
         self.slots = slots
         self.path = path  # in the model: the key of this module's parameters in ``Slots.bound``
         # Plain tensors, not nn.Parameters: a trained slot's parameters alias its places.
@@ -404,7 +408,9 @@ class SlotLinear(nn.Module):
         return torch.stack(a_parts), torch.stack(b_parts) * scale
 
     def forward(self, x: Tensor) -> Tensor:
-        out = nn.functional.linear(x, self.base.weight, self.base.bias)  # without a module call
+        parameters = self._base_parameters
+        weight = cast(Tensor, parameters["weight"])
+        out = nn.functional.linear(x, weight, parameters.get("bias"))
         route = self.slots.route
         if route is None:
             return out

@@ -37,6 +37,8 @@ class RMSNorm:
 
     def __init__(self, module: nn.Module, eps: float) -> None:
         self.module = module
+        # Its parameters by name, read at each call without the module's attribute lookup.
+        self._parameters = module._parameters
         self.eps = eps
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -47,7 +49,7 @@ class RMSNorm:
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         else:
             normed = F.rms_norm(x32, (x.shape[-1],), eps=self.eps)
-        weight = cast(Tensor, self.module.weight)
+        weight = cast(Tensor, self._parameters["weight"])
         return weight * normed.to(x.dtype)
 
 

@@ -272,3 +272,19 @@ def test_forwards_without_gradients_see_a_bound_adapter_s_steps_after_the_stacks
             through_views = model(tokens).logits
     assert (through_params - before).abs().max().item() > 1e-3  # the step moved them
     assert (through_views - through_params).abs().max().item() <= TOLERANCE
+
+
+@torch.no_grad()
+def test_a_slot_layer_multiplies_by_its_base_s_weights_as_they_are_now(
+    base: PreTrainedModel,
+) -> None:
+    """The layer reads its base's parameters at each call: one replaced (a device move, a new
+    tensor) or changed in place is what the next forward multiplies by."""
+    model, slots = _slotted(base)
+    layer = slots.modules["model.layers.0.self_attn.q_proj"]
+    x = torch.randn(3, layer.base.in_features, generator=torch.Generator().manual_seed(5))
+    layer.base.weight = torch.nn.Parameter(torch.randn_like(layer.base.weight))
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.base.weight, layer.base.bias))
+    layer.base.weight.mul_(2.0)
+    layer.base.bias = None
+    assert torch.equal(layer(x), x @ layer.base.weight.T)
