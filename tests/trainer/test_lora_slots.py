@@ -280,7 +280,7 @@ def test_a_slot_layer_multiplies_by_its_base_s_weights_as_they_are_now(
 ) -> None:
     """The layer reads its base's parameters at each call: one replaced (a device move, a new
     tensor) or changed in place is what the next forward multiplies by."""
-    model, slots = _slotted(base)
+    _, slots = _slotted(base)
     layer = slots.modules["model.layers.0.self_attn.q_proj"]
     x = torch.randn(3, layer.base.in_features, generator=torch.Generator().manual_seed(5))
     layer.base.weight = torch.nn.Parameter(torch.randn_like(layer.base.weight))
