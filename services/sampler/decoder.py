@@ -149,7 +149,7 @@ class Decoder:
         # 50 such calls); and the modules, called as modules while any has hooks, so they run.
         self._direct = _Calls.of(model, lambda module: module.forward)
         self._as_modules = _Calls.of(model, lambda module: module)
-        self._called = _Calls.of(model, lambda module: module).modules()
+        self._called = self._as_modules.modules()
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> Decoder | None:
