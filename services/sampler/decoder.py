@@ -198,7 +198,8 @@ class Decoder:
         return Output(calls.head(kept), cache)
 
     def _hooked(self) -> bool:
-        """Whether a module this forward calls has forward hooks, or every module has."""
+        """Whether a module this forward calls has forward hooks, or hooks for every module
+        are registered (``register_module_forward_hook``)."""
         if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in self._called)
