@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from services import lora_slots
 from services.trainer import engine as engine_module
 from services.trainer.engine import TrainerEngine
 from services.trainer.fusion import default_limits
@@ -27,6 +28,7 @@ from tinsmith.eventlog import EventLog
 from tinsmith.failures import InvalidRequest, Unprocessable
 
 TOLERANCE = 1e-5
+CPU = torch.device("cpu")
 # AdamW's first steps move each weight by about lr * g / (|g| + eps) whatever the size of g, so
 # a gradient element near zero carries its float32 rounding (1e-11, where a pass's shapes
 # differ) into the weights as lr * 1e-11 / eps: 1e-5 at lr 1e-2 and eps 1e-8. At a LoRA learning
@@ -60,6 +62,14 @@ TENANTS = (
     Tenant("eight", 8, "importance_sampling", (5,), mlp=False),
     Tenant("sixteen", 16, "ppo", (17, 3, 11), attn=False),
 )
+# Ranks of one class (16) with as many datums each: on the CPU, where torch's grouped matmul
+# does not run float32, the runs' rows are one batched product, added into the base output in
+# one call on the modules that every run trains (the attention), and by ranges elsewhere.
+ONE_CLASS = (
+    Tenant("twelve", 12, "cross_entropy", (9, 23)),
+    Tenant("sixteen", 16, "importance_sampling", (30, 4)),
+    Tenant("also sixteen", 16, "ppo", (17, 3), mlp=False),
+)
 
 
 def _create(engine: TrainerEngine, tenant: Tenant, seed: int) -> None:
@@ -74,17 +84,19 @@ def _create(engine: TrainerEngine, tenant: Tenant, seed: int) -> None:
     engine.create_run(tenant.model_id, command)
 
 
-def _engines() -> tuple[TrainerEngine, TrainerEngine]:
+def _engines(tenants: tuple[Tenant, ...] = TENANTS) -> tuple[TrainerEngine, TrainerEngine]:
     fused, alone = _engine(), _engine()
     for engine in (fused, alone):
-        for n, tenant in enumerate(TENANTS):
+        for n, tenant in enumerate(tenants):
             _create(engine, tenant, seed=10 + n)
     return fused, alone
 
 
-def _requests(step: int, forward_only: bool = False) -> list[tp.ForwardBackwardRequest]:
+def _requests(
+    step: int, forward_only: bool = False, tenants: tuple[Tenant, ...] = TENANTS
+) -> list[tp.ForwardBackwardRequest]:
     requests = []
-    for n, tenant in enumerate(TENANTS):
+    for n, tenant in enumerate(tenants):
         request = _request(100 * step + n, tenant.lengths, tenant.loss_fn)
         request.forward_only = forward_only
         requests.append(request)
@@ -117,15 +129,19 @@ def _tensor_gap(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | N
     return gap
 
 
-def test_runs_trained_in_one_pass_get_what_each_gets_alone() -> None:
-    fused, alone = _engines()
+@pytest.mark.parametrize("tenants", [TENANTS, ONE_CLASS], ids=["two rank classes", "one class"])
+def test_runs_trained_in_one_pass_get_what_each_gets_alone(
+    tenants: tuple[Tenant, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batched = _count_calls(monkeypatch, torch.Tensor, "baddbmm_")
+    fused, alone = _engines(tenants)
     for step in range(2):
-        requests = _requests(step)
+        requests = _requests(step, tenants=tenants)
         together = fused.forward_backward_together(
-            [(t.model_id, r) for t, r in zip(TENANTS, requests, strict=True)]
+            [(t.model_id, r) for t, r in zip(tenants, requests, strict=True)]
         )
         assert all(isinstance(out, bytes) for out in together), together  # one pass, no fallback
-        for tenant, request, out in zip(TENANTS, requests, together, strict=True):
+        for tenant, request, out in zip(tenants, requests, together, strict=True):
             assert isinstance(out, bytes)
             by_itself = alone.forward_backward(tenant.model_id, request)
             assert _max_gap(out, by_itself) <= TOLERANCE, tenant
@@ -133,8 +149,8 @@ def test_runs_trained_in_one_pass_get_what_each_gets_alone() -> None:
             assert _tensor_gap(grads, _tensors(alone, tenant.model_id, grads=True)) <= TOLERANCE
             # Each run's gradient comes from its own rows: every tensor of its adapter has one.
             assert all(g is not None for g in grads.values())
-        stepped = fused.optim_step_together([(t.model_id, FUSED_ADAM) for t in TENANTS])
-        for tenant, metrics in zip(TENANTS, stepped, strict=True):
+        stepped = fused.optim_step_together([(t.model_id, FUSED_ADAM) for t in tenants])
+        for tenant, metrics in zip(tenants, stepped, strict=True):
             assert isinstance(metrics, dict)
             assert metrics.keys() == alone.optim_step(tenant.model_id, FUSED_ADAM).keys()
             gap = _tensor_gap(
@@ -144,14 +160,33 @@ def test_runs_trained_in_one_pass_get_what_each_gets_alone() -> None:
             assert gap <= TOLERANCE, tenant
 
     # Forwards go together too, and change no gradient.
-    requests = _requests(7, forward_only=True)
+    requests = _requests(7, forward_only=True, tenants=tenants)
     together = fused.forward_backward_together(
-        [(t.model_id, r) for t, r in zip(TENANTS, requests, strict=True)]
+        [(t.model_id, r) for t, r in zip(tenants, requests, strict=True)]
     )
-    for tenant, request, out in zip(TENANTS, requests, together, strict=True):
+    for tenant, request, out in zip(tenants, requests, together, strict=True):
         assert isinstance(out, bytes)
         assert _max_gap(out, alone.forward_backward(tenant.model_id, request)) <= TOLERANCE
         assert all(p.grad is None for p in fused.runs[tenant.model_id].params.values())
+    # Runs of one rank class with as many rows are one batched product on the CPU, else not.
+    assert (batched.count > 0) == (tenants is ONE_CLASS and not lora_slots._grouped_mm_works(CPU))
+
+
+@dataclasses.dataclass
+class _Calls:
+    count: int = 0
+
+
+def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> _Calls:
+    """Count the calls of ``owner.name`` from now on (the method itself still runs)."""
+    calls, method = _Calls(), getattr(owner, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.count += 1
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
 
 
 def _adam_state(engine: TrainerEngine, model_id: str) -> list[torch.Tensor]:
