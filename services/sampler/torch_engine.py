@@ -1413,12 +1413,19 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     by the inverse of its cumulative distribution at a uniform number drawn from the row's own
     generator: one small draw per row, and the rest for all rows at once (a ``multinomial``
     per row costs more than the decoding step's forward of a small model, over a 49k-token
-    vocabulary). A token of probability 0 is never drawn: the first index whose cumulative
-    sum exceeds the scaled uniform has a mass of its own."""
+    vocabulary)."""
     uniform = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    return _inverse_cdf(probs, uniform)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token at its ``uniform`` in [0, 1): the first index whose cumulative sum
+    exceeds the uniform times the row's total, which has a mass of its own (a token of
+    probability 0 is never drawn). Should the product round up to the total, past every index,
+    the token at which the cumulative sum first reaches the total (one with a mass) is drawn:
+    one binary search per row, where finding the last token with a mass took three passes over
+    the vocabulary at every step."""
     cumulative = probs.cumsum(dim=-1)
-    total = cumulative[:, -1:]
-    picks = torch.searchsorted(cumulative, uniform[:, None] * total, right=True)[:, 0]
-    # A uniform just below 1 times the total may round up to it: the last token with a mass.
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.int32).argmax(dim=-1)
-    return torch.minimum(picks, last)
+    total = cumulative[:, -1:].contiguous()
+    picks = torch.searchsorted(cumulative, uniform[:, None] * total, right=True)
+    return torch.minimum(picks, torch.searchsorted(cumulative, total))[:, 0]

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from services.sampler.engine import evictions, run_all
-from services.sampler.torch_engine import TorchEngine, _choose
+from services.sampler.torch_engine import TorchEngine, _choose, _inverse_cdf
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
@@ -378,3 +378,14 @@ def test_each_token_is_drawn_at_its_probability_and_a_cut_one_never(
     sigma = (probs * (1 - probs) / draws).sqrt()
     assert ((seen - probs).abs() <= 4.5 * sigma + 1e-12).all(), (seen, probs)
     assert (seen[probs == 0] == 0).all()
+
+
+def test_a_uniform_at_the_top_draws_a_token_with_mass_never_past_the_end() -> None:
+    """Should a uniform times a row's total come to the total (past every index of the
+    cumulative sums), the token at which they reach it is drawn: one with a mass."""
+    probs = torch.tensor(
+        [[0.25, 0.0, 0.75, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 1.0]]
+    )
+    assert _inverse_cdf(probs, torch.ones(3)).tolist() == [2, 1, 4]  # the rounding case
+    assert _inverse_cdf(probs, torch.zeros(3)).tolist() == [0, 0, 4]
+    assert _inverse_cdf(probs, torch.full((3,), 0.3)).tolist() == [2, 0, 4]
