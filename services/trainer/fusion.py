@@ -89,17 +89,19 @@ def default_limits(device: torch.device) -> tuple[int, int]:
     """The most tokens of one fused pass, and of a request fused with others, where
     ``TINSMITH_TRAINER_FUSE_TOKENS`` and ``TINSMITH_TRAINER_FUSE_REQUEST_TOKENS`` are unset.
 
-    On the CPU 2048 and 256: there a pass's cost grows faster than its rows, and fusing a
-    request gains less than 1.1x past about 256 tokens (bench/fused_training.py, 4 runs of
-    tinsmith/small on one thread: 1.51x at 16 tokens a request, 1.26x at 128, 1.14x to 1.19x
-    at 256, 1.08x and 1.09x at 240 and 320 tokens of 40-token datums, 1.02x at 480 and 512).
+    On the CPU 2048 and 128: there a pass's cost is mostly its tokens', and fusing a request
+    gains less than 1.1x past about 128 tokens (bench/fused_training.py, 4 runs of
+    tinsmith/small on one thread, since a run's pass alone lost the slot layer's extra passes
+    over the output: 1.53x at 16 tokens a request, 1.40x at 32, 1.24x at 64, 1.09x and 1.15x
+    at 128, 1.09x at 192, 1.06x at 256, 0.96x at 1024; with 40-token datums, before that
+    change, 1.08x and 1.09x at 240 and 320 tokens).
     What it gains there it gives back where requests come from closed loops: runs fused into
     one pass leave the trainer together and come back together (bench/duty_cycle.py: eight RL
     jobs of 320-token requests fell into lockstep and left the trainer idle a third of the
     time). On an accelerator 16384 and 4096: on an H200, 4 runs of SmolLM2-135M's shape in
     bfloat16 trained 1.82x to 2.04x faster fused at 16 to 1024 tokens each, and 1.65x at 4096
     (tinsmith/small: 1.58x), the largest measured (docs/performance.md)."""
-    return (2048, 256) if device.type == "cpu" else (16384, 4096)
+    return (2048, 128) if device.type == "cpu" else (16384, 4096)
 
 
 class Fuser:

@@ -38,7 +38,7 @@ def test_fusion_limits_default_to_the_devices(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.delenv(name, raising=False)
     defaults = TrainerConfig.from_env()
     assert (defaults.fuse_tokens, defaults.fuse_request_tokens) == (None, None)
-    assert default_limits(torch.device("cpu")) == (2048, 256)
+    assert default_limits(torch.device("cpu")) == (2048, 128)
     assert default_limits(torch.device("cuda", 0)) == (16384, 4096)
     assert default_limits(torch.device("mps")) == (16384, 4096)
 

@@ -389,7 +389,7 @@ async def test_the_trainer_fuses_the_runs_that_are_ready_together(harness: Harne
 async def test_a_trainer_fuses_within_its_devices_limits_unless_told(harness: Harness) -> None:
     async with harness.trainer() as trainer:
         limits = (trainer.fuser.token_budget, trainer.fuser.request_tokens)
-        assert limits == default_limits(trainer.engine.placement.device) == (2048, 256)
+        assert limits == default_limits(trainer.engine.placement.device) == (2048, 128)
     async with harness.trainer(fuse_tokens=300, fuse_request_tokens=30) as trainer:
         assert (trainer.fuser.token_budget, trainer.fuser.request_tokens) == (300, 30)
 
