@@ -457,7 +457,8 @@ class SlotLinear(nn.Module):
         autograd node, where one added to a view of it would rewrite the tensor's history.
         Measured on the CPU (tinsmith/small, one thread, against the product, then the sum,
         alternating in one process): a trainer's pass of one run 1.04-1.09x as fast at 2 x 128
-        tokens and 1.06x at 16; a fused pass of 4 such runs 1.01-1.04x."""
+        tokens and 1.06x at 16; a fused pass of 4 such runs 1.01-1.04x; a sampler's forward of
+        8 adapters' 8 rows each 1.085x a decoding step, 1.076x a 32-token prefill."""
         present = frozenset(slot for slot in route.slots if slot in self.present)
         if not present:
             return nn.functional.linear(x, weight, bias)
