@@ -494,7 +494,7 @@ class SlotLinear(nn.Module):
                 delta = F.linear(hidden * scale, b)
             else:
                 a, b = self._pairs(klass, [(slot, index) for slot, index, _ in members])
-                if out.dim() == 3 and out.dtype == torch.float32:  # a batch over every row
+                if batch > 1 and out.dtype == torch.float32:  # a batch over every row
                     hidden = torch.bmm(flat.reshape(batch, -1, flat.shape[-1]), a.transpose(1, 2))
                     out.baddbmm_(hidden, b.transpose(1, 2))
                     continue

@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from services import norms
+from tests.calls import record_calls
 
 SIZES = {
     "hidden_size": 48,
@@ -74,14 +75,7 @@ def test_a_fused_model_computes_what_it_did(monkeypatch: pytest.MonkeyPatch) -> 
     with torch.no_grad():
         before = model(input_ids=ids).logits
     assert norms.fuse(model) == 9
-    calls: list[int] = []
-    call = norms.RMSNorm.__call__
-
-    def counted(self: norms.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        return call(self, x)
-
-    monkeypatch.setattr(norms.RMSNorm, "__call__", counted)
+    calls = record_calls(monkeypatch, norms.RMSNorm, "__call__")
     with torch.no_grad():
         after = model(input_ids=ids).logits
     assert len(calls) == 9  # every norm of the forward ran fused

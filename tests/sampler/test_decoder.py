@@ -24,6 +24,7 @@ from services import lora_slots
 from services.lora_slots import NO_ADAPTER
 from services.sampler import decoder as lean
 from services.sampler.decoder import Decoder, why_not
+from tests.calls import record_calls
 from tinsmith import lora, models
 
 SIZES = {
@@ -191,15 +192,8 @@ def test_the_hooks_of_its_modules_run() -> None:
     seen: list[tuple[int, ...]] = []
     ids = torch.tensor([[5, 6, 7]])
     forward = Decoder(model)
-    called: list[str] = []
-    call = torch.nn.Module.__call__
-
-    def counted(module: torch.nn.Module, *args: object, **kwargs: object) -> object:
-        called.append(type(module).__name__)
-        return call(module, *args, **kwargs)
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.nn.Module, "__call__", counted)
+        called = record_calls(patch, torch.nn.Module, "__call__")
         want = forward(ids, torch.ones_like(ids), torch.arange(3)[None]).logits
         assert called == []  # no module called as a module
         handle = model.model.layers[1].mlp.up_proj.register_forward_hook(
@@ -207,7 +201,7 @@ def test_the_hooks_of_its_modules_run() -> None:
         )
         got = forward(ids, torch.ones_like(ids), torch.arange(3)[None]).logits
     assert seen == [(1, 3, SIZES["intermediate_size"])]
-    assert "Linear" in called and torch.equal(got, want)
+    assert "Linear" in [type(args[0]).__name__ for args in called] and torch.equal(got, want)
     handle.remove()
     forward(ids, torch.ones_like(ids), torch.arange(3)[None])
     assert len(seen) == 1

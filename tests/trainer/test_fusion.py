@@ -19,6 +19,7 @@ from services import lora_slots
 from services.trainer import engine as engine_module
 from services.trainer.engine import TrainerEngine
 from services.trainer.fusion import default_limits
+from tests.calls import record_calls
 from tests.trainer.test_memory import TINY, _engine, _outputs, _request
 from tests.trainer.test_work_loop import Harness, _batch, _diverging
 from tinsmith import jobs
@@ -133,7 +134,7 @@ def _tensor_gap(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | N
 def test_runs_trained_in_one_pass_get_what_each_gets_alone(
     tenants: tuple[Tenant, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batched = _count_calls(monkeypatch, torch.Tensor, "baddbmm_")
+    batched = record_calls(monkeypatch, torch.Tensor, "baddbmm_")
     fused, alone = _engines(tenants)
     for step in range(2):
         requests = _requests(step, tenants=tenants)
@@ -169,24 +170,7 @@ def test_runs_trained_in_one_pass_get_what_each_gets_alone(
         assert _max_gap(out, alone.forward_backward(tenant.model_id, request)) <= TOLERANCE
         assert all(p.grad is None for p in fused.runs[tenant.model_id].params.values())
     # Runs of one rank class with as many rows are one batched product on the CPU, else not.
-    assert (batched.count > 0) == (tenants is ONE_CLASS and not lora_slots._grouped_mm_works(CPU))
-
-
-@dataclasses.dataclass
-class _Calls:
-    count: int = 0
-
-
-def _count_calls(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> _Calls:
-    """Count the calls of ``owner.name`` from now on (the method itself still runs)."""
-    calls, method = _Calls(), getattr(owner, name)
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls.count += 1
-        return method(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, counted)
-    return calls
+    assert bool(batched) == (tenants is ONE_CLASS and not lora_slots._grouped_mm_works(CPU))
 
 
 def _adam_state(engine: TrainerEngine, model_id: str) -> list[torch.Tensor]:
