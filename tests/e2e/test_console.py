@@ -79,7 +79,7 @@ def _step(training: tinker.TrainingClient, learning_rate: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def world(system: RunningSystem) -> World:
+def world(system: RunningSystem) -> Iterator[World]:
     tenant = f"console-{uuid.uuid4().hex[:6]}"
     key, _ = issue(system, tenant, admin=True)  # an admin: the engines page too
     sweep = f"sweep-{uuid.uuid4().hex[:6]}"
@@ -94,7 +94,8 @@ def world(system: RunningSystem) -> World:
         runs.append(training.model_id)
         clients.append(training)
     sampler_path = clients[0].save_weights_for_sampler("console").result(timeout=120).path
-    return World(system, key, sweep, runs, losses, sampler_path, clients[0])
+    yield World(system, key, sweep, runs, losses, sampler_path, clients[0])
+    service.close("success").result(timeout=60)  # its session's heartbeat ends with it
 
 
 @pytest.fixture(scope="module")

@@ -68,3 +68,7 @@ def test_a_sampler_handle_and_a_pickle_sample_on_the_same_sampler(system: Runnin
     with pytest.raises(tinker.NotFoundError):
         stranger.sample(PROMPT, 1, GREEDY).result(timeout=120)
     service.close("success").result(timeout=30)
+    # A client made from a handle or a pickle has a holder of its own that heart-beats the
+    # session until the server answers 410 or it is closed: the stranger's is answered 404.
+    for client in (again, unpickled, stranger):
+        client.holder.close()

@@ -51,9 +51,10 @@ def traced_system(
 
 
 @pytest.fixture(scope="module")
-def training(traced_system: RunningSystem) -> tinker.TrainingClient:
+def training(traced_system: RunningSystem) -> Iterator[tinker.TrainingClient]:
     service = tinker.ServiceClient(base_url=traced_system.url, api_key="tml-tracing")
-    return service.create_lora_training_client(base_model=BASE, rank=4).result()
+    yield service.create_lora_training_client(base_model=BASE, rank=4).result()
+    service.close("success").result(timeout=60)  # its session's heartbeat ends with it
 
 
 def _datum() -> types.Datum:
