@@ -12,8 +12,8 @@ process; each of its steps
 2. samples a group of G completions of T tokens for a random P-token prompt (``stop=[]``, so each
    completion has exactly T tokens and every step costs the same),
 3. scores them and waits for a simulated slow grader (a remote model, a test harness): a sleep of
-   ``--reward-delay`` seconds, give or take ``--reward-jitter`` of it, uniformly, during which the
-   job asks nothing of the system,
+   the grader's delay, give or take ``--reward-jitter`` of it, uniformly, during which the job
+   asks nothing of the system (the delay: below),
 4. builds importance-sampling datums with group-centred advantages and the sampler's logprobs,
    then ``forward_backward`` and ``optim_step``.
 
@@ -39,12 +39,24 @@ and no job's mean step more than 1.25 times another's in a phase. It draws both 
 every phase, each job's grader waits under them, into one PNG (``docs/duty-cycle.png``).
 
     .venv/bin/python -m bench.duty_cycle [--model tinsmith/small] [--phase-seconds 40]
-        [--reward-delay 2] [--reward-jitter 0.25] [--group 8] [--prompt 32] [--tokens 8]
+        [--reward-delay SECONDS] [--reward-jitter 0.25] [--group 8] [--prompt 32] [--tokens 8]
         [--jobs 1 2 4 8] [--no-stagger] [--out docs/duty-cycle.png] [--spans FILE]
 
+The grader's delay is fitted to the machine unless ``--reward-delay`` sets it: the delay at which
+the largest phase's jobs, each stepping as fast as one job alone, would ask for all of the
+trainer's time (``fit_reward_delay``). With N jobs, a step alone of P seconds that keeps the
+trainer busy t of them offers the trainer N t / P of its time: the targets need it asked for
+at least 80% (or it cannot be 80% busy) and N t / P not far over 1 (or the trainer, saturated,
+caps the steps at 1/t a second: for 8 jobs, under 5 times one job's 1/P once 8 t / P
+passes 1.6). A fixed
+delay offers a machine twice as fast half as much work: 2 s, this bench's default until
+2026-11-29, asked for 49% of the trainer on one machine and over 100% on another.
+
 How a phase is measured:
-- Before the phases, two unmeasured steps of one job load the base model into both engines and
-  time a step of a job alone, its period.
+- Before the phases, unmeasured steps of one job without the grader's wait load the base model
+  into both engines (the first), then time a step of a job alone and the trainer's part of it
+  (the median of three, the trainer's from its spans), which fit the delay; a step alone with
+  the delay is the period.
 - A phase's runs are created first. Its jobs then start a period apart divided by their number
   (independent jobs do not start in the same instant; ``--no-stagger`` starts them together). The
   window opens when the last one starts and lasts ``--phase-seconds``; jobs start no step after
@@ -55,7 +67,7 @@ How a phase is measured:
 
 The model is ``tinsmith/small``: on two cores a SmolLM2-135M step of this shape takes about 12 s
 (6 s sampling, 6 s training), too long for four phases of several steps each in a few minutes.
-The default run takes about 4 minutes.
+The default run takes about 3 minutes.
 """
 
 from __future__ import annotations
@@ -103,6 +115,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "duty-cycle.png"
 API_KEY = "tml-duty-cycle"
 READY_TIMEOUT_S = 300.0
 RANK = 8
+WARM_STEPS = 3  # a job's steps alone, after its first, that time it and fit the grader's delay
 ADAM = types.AdamParams(learning_rate=1e-4)
 NS = 1_000_000_000
 
@@ -398,6 +411,20 @@ def settle(receiver: OtlpReceiver, quiet_s: float = 1.5, timeout_s: float = 20.0
     return receiver.spans()
 
 
+def trainer_seconds(trainer: Iterable[Interval], step: Step) -> float:
+    """How long the trainer was busy (``trainer``: its busy intervals) during ``step``."""
+    return sum(end - start for start, end in clip(trainer, (step.start_ns, step.end_ns))) / NS
+
+
+def fit_reward_delay(step_s: float, trainer_s: float, jobs: int) -> float:
+    """The grader's mean seconds at which ``jobs`` jobs, each stepping as fast as one job alone,
+    would ask for all of the trainer's time: a step of one job without the grader's wait took
+    ``step_s``, ``trainer_s`` of them on the trainer, so ``jobs`` jobs ask for ``jobs`` x
+    ``trainer_s`` of every ``step_s`` + delay seconds. 0 where the steps' other work already
+    leaves the trainer idle that much."""
+    return max(0.0, jobs * trainer_s - step_s)
+
+
 def measure(
     url: str,
     receiver: OtlpReceiver,
@@ -405,16 +432,33 @@ def measure(
     job_counts: Sequence[int],
     seconds: float,
     stagger: bool,
-) -> tuple[list[Phase], list[Span]]:
-    """Warm up, run one phase per count of jobs, then give each phase its engines' busy time
-    from the spans received; also return every span."""
-    # Two unmeasured steps of one job: the first loads the base model into both engines, the
-    # second is the period of a job alone, by which a phase's jobs are spread out.
-    warm = RlJob(url, shape, seed=0)
+    reward_delay_s: float | None,
+) -> tuple[list[Phase], list[Span], JobShape]:
+    """Warm up and set the grader's delay (``reward_delay_s``, or fitted where that is None),
+    run one phase per count of jobs, then give each phase its engines' busy time from the spans
+    received; also return every span and the shape the jobs had."""
+    # Unmeasured steps of one job, without the grader: the first loads the base model into both
+    # engines, the others time a step of a job alone and its trainer part (medians).
+    warm = RlJob(url, dataclasses.replace(shape, reward_delay_s=0.0, reward_jitter=0.0), seed=0)
     warm.step()
-    alone = warm.step()
-    period_s = (alone.end_ns - alone.start_ns) / NS
-    print(f"warm-up: a step of one job alone takes {period_s:.2f} s", flush=True)
+    alone = [warm.step() for _ in range(WARM_STEPS)]
+    trainer = busy_intervals(settle(receiver), TRAINER)
+    step_s = statistics.median((step.end_ns - step.start_ns) / NS for step in alone)
+    trainer_s = statistics.median(trainer_seconds(trainer, step) for step in alone)
+    if reward_delay_s is None:
+        most = max(job_counts)
+        reward_delay_s = round(fit_reward_delay(step_s, trainer_s, most), 2)
+        how = f"fitted: {most} jobs stepping as fast as one alone ask for all of the trainer"
+    else:
+        how = "--reward-delay"
+    shape = dataclasses.replace(shape, reward_delay_s=reward_delay_s)
+    period_s = step_s + reward_delay_s
+    print(
+        f"warm-up: a step of one job alone takes {step_s:.2f} s without the grader, "
+        f"{trainer_s:.3f} s of it on the trainer; the grader takes {reward_delay_s:g} s ({how}), "
+        f"so a step alone takes about {period_s:.2f} s",
+        flush=True,
+    )
     phases = []
     for index, jobs in enumerate(job_counts):
         stagger_s = period_s / jobs if stagger else 0.0
@@ -431,7 +475,7 @@ def measure(
         phase.trainer = clip(trainer, phase.window)
         phase.sampler = clip(sampler, phase.window)
         phase.trainer_waiting = clip(waiting, phase.window)
-    return phases, spans
+    return phases, spans, shape
 
 
 # --- the picture --------------------------------------------------------------------------------
@@ -564,7 +608,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--phase-seconds", type=float, default=40.0, help="each phase's window (default 40)"
     )
     parser.add_argument(
-        "--reward-delay", type=float, default=2.0, help="the simulated grader's mean seconds (2)"
+        "--reward-delay",
+        type=float,
+        help="the simulated grader's mean seconds (default: fitted, so that the largest phase's "
+        "jobs, stepping as fast as one alone, would ask for all of the trainer's time)",
     )
     parser.add_argument(
         "--reward-jitter",
@@ -598,9 +645,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    shape = JobShape(
-        args.model, args.group, args.prompt, args.tokens, args.reward_delay, args.reward_jitter
-    )
+    shape = JobShape(args.model, args.group, args.prompt, args.tokens, 0.0, args.reward_jitter)
     started = time.monotonic()
     data_dir = Path(tempfile.mkdtemp(prefix="tinsmith-duty-cycle-"))
     with sigterm_as_interrupt(), OtlpReceiver() as receiver:
@@ -610,8 +655,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             system.wait_standby(READY_TIMEOUT_S)
             elapsed = time.monotonic() - started
             print(f"tinsmith ready at {url} after {elapsed:.0f} s; spans go to {receiver.endpoint}")
-            phases, spans = measure(
-                url, receiver, shape, args.jobs, args.phase_seconds, not args.no_stagger
+            phases, spans, shape = measure(
+                url,
+                receiver,
+                shape,
+                args.jobs,
+                args.phase_seconds,
+                not args.no_stagger,
+                args.reward_delay,
             )
         except KeyboardInterrupt:
             print("\ninterrupted", file=sys.stderr)

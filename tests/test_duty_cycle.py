@@ -16,7 +16,9 @@ from bench.duty_cycle import (
     Step,
     busy_intervals,
     clip,
+    fit_reward_delay,
     render,
+    trainer_seconds,
     uncovered,
     union,
     utilisation,
@@ -106,6 +108,20 @@ def test_the_trainer_is_asked_at_most_its_jobs_steps_at_their_pace_alone() -> No
     eight = Phase(8, phase.window, phase.steps, trainer=phase.trainer)
     assert eight.trainer_offered(2.5) == pytest.approx(1.0)  # 160% asked: all of it
     assert eight.trainer_offered(10.0) == pytest.approx(0.4)
+
+
+def test_the_fitted_grader_makes_the_most_jobs_ask_for_all_of_the_trainer() -> None:
+    # A step alone (no grader) of 0.3 s, 0.1 s of it on the trainer, in two pieces and a piece
+    # that straddles its end; another step's trainer time does not count.
+    step = Step(10 * NS, (0, 0), 10 * NS + 300_000_000)
+    trainer = [(10 * NS, 10 * NS + 40_000_000), (10 * NS + 250_000_000, 10 * NS + 350_000_000)]
+    trainer.append((20 * NS, 21 * NS))
+    assert trainer_seconds(trainer, step) == pytest.approx(0.09)
+    # Eight jobs at a step alone's pace ask for 8 x 0.1 s of the trainer every 0.3 s + delay.
+    assert fit_reward_delay(0.3, 0.1, 8) == pytest.approx(0.5)
+    assert fit_reward_delay(0.3, 0.1, 4) == pytest.approx(0.1)
+    # Steps whose other work leaves the trainer idle enough already: no grader.
+    assert fit_reward_delay(2.0, 0.1, 8) == 0.0
 
 
 def test_fairness_is_the_slowest_job_s_mean_step_over_the_fastest_s() -> None:
