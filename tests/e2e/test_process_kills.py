@@ -37,10 +37,14 @@ KILL_AT = 10  # the step during which the process is killed
 ADAM = types.AdamParams(learning_rate=1e-2)
 PROMPT = types.ModelInput.from_ints([5, 17, 29, 41])
 PARAMS = types.SamplingParams(max_tokens=16, seed=7, temperature=1.0, stop=[])
-# Seconds from the kill until a call sent after it has completed, at most, in each loop:
-# generous, since a restart's cost on a loaded 2-core machine is several times an idle one's (the
-# printed figures are the real ones); a sampler's old 30 s ack wait would still fail it.
-RECOVERY_BOUND_S = 10.0
+# Seconds from the kill until a call sent after it has completed, at most, in each loop. A
+# sampler's request in flight at the kill (held by the dead replica) is delivered again only once
+# the sampler's ack wait (4 s, services/sampler/config.py) has passed, and the loop's next call
+# goes after it: so the sample loop's recovery is that wait plus the restart, whose cost on a
+# loaded 2-core machine is several times an idle one's (4.2 s measured alone on a fast machine,
+# 11.3 s once under the full suite on a slow one). Generous (the printed figures are the real
+# ones), and a sampler's old 30 s ack wait would still fail it.
+RECOVERY_BOUND_S = 15.0
 TIMEOUT_S = 180.0  # any one call, however disturbed
 
 
