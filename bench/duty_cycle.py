@@ -48,9 +48,8 @@ trainer's time (``fit_reward_delay``). With N jobs, a step alone of P seconds th
 trainer busy t of them offers the trainer N t / P of its time: the targets need it asked for
 at least 80% (or it cannot be 80% busy) and N t / P not far over 1 (or the trainer, saturated,
 caps the steps at 1/t a second: for 8 jobs, under 5 times one job's 1/P once 8 t / P
-passes 1.6). A fixed
-delay offers a machine twice as fast half as much work: 2 s, this bench's default until
-2026-11-29, asked for 49% of the trainer on one machine and over 100% on another.
+passes 1.6). A fixed delay offers a machine twice as fast half as much work: 2 s, this bench's
+default until 2026-11-29, asked for 49% of the trainer on one machine and over 100% on another.
 
 How a phase is measured:
 - Before the phases, unmeasured steps of one job without the grader's wait load the base model
@@ -413,7 +412,8 @@ def settle(receiver: OtlpReceiver, quiet_s: float = 1.5, timeout_s: float = 20.0
 
 def trainer_seconds(trainer: Iterable[Interval], step: Step) -> float:
     """How long the trainer was busy (``trainer``: its busy intervals) during ``step``."""
-    return sum(end - start for start, end in clip(trainer, (step.start_ns, step.end_ns))) / NS
+    window = (step.start_ns, step.end_ns)
+    return utilisation(trainer, window) * (window[1] - window[0]) / NS
 
 
 def fit_reward_delay(step_s: float, trainer_s: float, jobs: int) -> float:
