@@ -55,6 +55,8 @@ class Tenant:
     attn: bool = True
     mlp: bool = True
     unembed: bool = True
+    k: int = 0  # cross-entropy targets per position (with weights); 0: one, unweighted
+    config: tuple[tuple[str, float], ...] = ()  # its loss_fn_config
 
 
 # Ranks in two rank classes (8 and 16), three losses, and adapters on different modules.
@@ -70,6 +72,14 @@ ONE_CLASS = (
     Tenant("twelve", 12, "cross_entropy", (9, 23)),
     Tenant("sixteen", 16, "importance_sampling", (30, 4)),
     Tenant("also sixteen", 16, "ppo", (17, 3), mlp=False),
+)
+# The losses the others leave out, each with a loss_fn_config of its own where it reads one,
+# beside top-2 cross-entropy targets with weights; ranks from 1 to 32.
+EVERY_LOSS = (
+    Tenant("one", 1, "cross_entropy", (10, 3), k=2),
+    Tenant("two", 2, "cispo", (12, 7), mlp=False, config=(("clip_high_threshold", 1.1),)),
+    Tenant("eight", 8, "gspo", (6, 15, 4), unembed=False, config=(("clip_low_threshold", 0.9),)),
+    Tenant("thirty-two", 32, "dro", (19,), attn=False, config=(("beta", 0.1),)),
 )
 
 
@@ -98,7 +108,8 @@ def _requests(
 ) -> list[tp.ForwardBackwardRequest]:
     requests = []
     for n, tenant in enumerate(tenants):
-        request = _request(100 * step + n, tenant.lengths, tenant.loss_fn)
+        request = _request(100 * step + n, tenant.lengths, tenant.loss_fn, k=tenant.k)
+        request.loss_fn_config.update(dict(tenant.config))
         request.forward_only = forward_only
         requests.append(request)
     return requests
@@ -119,6 +130,10 @@ def _tensors(engine: TrainerEngine, model_id: str, grads: bool) -> dict[str, tor
     return {n: p.detach().clone() for n, p in params.items()}
 
 
+def _largest(tensors: dict[str, torch.Tensor | None]) -> float:
+    return max(float(t.abs().max()) for t in tensors.values() if t is not None)
+
+
 def _tensor_gap(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
     assert a.keys() == b.keys()
     gap = 0.0
@@ -130,7 +145,9 @@ def _tensor_gap(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | N
     return gap
 
 
-@pytest.mark.parametrize("tenants", [TENANTS, ONE_CLASS], ids=["two rank classes", "one class"])
+@pytest.mark.parametrize(
+    "tenants", [TENANTS, ONE_CLASS, EVERY_LOSS], ids=["two rank classes", "one class", "every loss"]
+)
 def test_runs_trained_in_one_pass_get_what_each_gets_alone(
     tenants: tuple[Tenant, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,7 +164,10 @@ def test_runs_trained_in_one_pass_get_what_each_gets_alone(
             by_itself = alone.forward_backward(tenant.model_id, request)
             assert _max_gap(out, by_itself) <= TOLERANCE, tenant
             grads = _tensors(fused, tenant.model_id, grads=True)
-            assert _tensor_gap(grads, _tensors(alone, tenant.model_id, grads=True)) <= TOLERANCE
+            own = _tensors(alone, tenant.model_id, grads=True)
+            # Summed losses give gradients of tens (the CISPO run's reach 60): float32 rounds
+            # them relative to their size.
+            assert _tensor_gap(grads, own) <= TOLERANCE * max(1.0, _largest(own)), tenant
             # Each run's gradient comes from its own rows: every tensor of its adapter has one.
             assert all(g is not None for g in grads.values())
         stepped = fused.optim_step_together([(t.model_id, FUSED_ADAM) for t in tenants])
