@@ -21,12 +21,12 @@ from tinsmith.failures import InvalidRequest
 BASE = "tinsmith/tiny"
 
 
-def _save_adapter(directory: Path, seed: int, modules: list[str]) -> None:
+def _save_adapter(directory: Path, seed: int, modules: list[str], rank: int = 4) -> None:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(
         models.materialize(BASE, models.default_cache_dir()), dtype=torch.float32
     )
-    config = LoraConfig(r=4, lora_alpha=32, target_modules=modules, init_lora_weights=False)
+    config = LoraConfig(r=rank, lora_alpha=32, target_modules=modules, init_lora_weights=False)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():  # big enough to change what is sampled
         for name, param in peft_model.named_parameters():
@@ -38,12 +38,13 @@ def _save_adapter(directory: Path, seed: int, modules: list[str]) -> None:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> TorchEngine:
     engine = TorchEngine(models.default_cache_dir())
-    for key, seed, modules in (
-        ("adapter/a", 1, ["q_proj", "v_proj", "down_proj"]),
-        ("adapter/b", 2, ["q_proj", "k_proj", "o_proj", "up_proj", "lm_head"]),
+    # Of two ranks, so that a mixed batch holds rows of both.
+    for key, seed, modules, rank in (
+        ("adapter/a", 1, ["q_proj", "v_proj", "down_proj"], 4),
+        ("adapter/b", 2, ["q_proj", "k_proj", "o_proj", "up_proj", "lm_head"], 16),
     ):
         directory = tmp_path_factory.mktemp(key.replace("/", "-"))
-        _save_adapter(directory, seed, modules)
+        _save_adapter(directory, seed, modules, rank)
         engine.load_adapter(BASE, key, directory)
     return engine
 
