@@ -36,7 +36,11 @@ async def start(bus: Bus) -> Callable[[], Awaitable[None]]:
     health.state_fact("device", placement.describe())
     log.info("the trainer computes on %s", placement.describe())
     engine = TrainerEngine(
-        config.cache_dir, config.torch_threads, placement, pass_tokens=config.pass_tokens
+        config.cache_dir,
+        config.torch_threads,
+        placement,
+        pass_tokens=config.pass_tokens,
+        slice_tokens=config.slice_tokens,
     )
     trainer = Trainer(bus, engine, BlobStore(config.blob_url), config)
     # Its projection starts from the newest snapshot and writes its own

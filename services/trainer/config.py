@@ -41,6 +41,10 @@ class TrainerConfig:
     # cut into passes of similar lengths where that saves more padding (grouping.py). None: the
     # device's default (engine.default_pass_tokens).
     pass_tokens: int | None = None
+    # The most padded tokens of one pass of a request: a larger one runs in several, and the
+    # other runs' requests are served between them (engine.plan). 0: no bound but the memory
+    # budget. None: the device's default (engine.default_slice_tokens).
+    slice_tokens: int | None = None
 
     @classmethod
     def from_env(cls) -> TrainerConfig:
@@ -55,6 +59,7 @@ class TrainerConfig:
             fuse_tokens=_tokens_from_env("TINSMITH_TRAINER_FUSE_TOKENS"),
             fuse_request_tokens=count_from_env("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS"),
             pass_tokens=count_from_env("TINSMITH_TRAINER_PASS_TOKENS"),
+            slice_tokens=_tokens_from_env("TINSMITH_TRAINER_SLICE_TOKENS"),
         )
 
 

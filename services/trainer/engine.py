@@ -128,6 +128,16 @@ def default_pass_tokens(device: torch.device) -> int:
     return 64 if device.type == "cpu" else 4096
 
 
+def default_slice_tokens(device: torch.device) -> int:
+    """The most padded tokens of one pass of a request (a single datum longer than that is a
+    pass of its own): a larger request runs in passes of at most this many, its gradients
+    accumulating, and the trainer serves other runs' requests between them, so that no run
+    waits for the whole of another's large request. The sizes of a fused pass
+    (fusion.default_limits): 2048 on the CPU, 16384 on an accelerator.
+    ``TINSMITH_TRAINER_SLICE_TOKENS`` overrides it (0: no bound but the memory budget)."""
+    return 2048 if device.type == "cpu" else 16384
+
+
 @dataclass(frozen=True)
 class Pass:
     """One forward (and backward) of a request: the datums it takes, by their place in the
@@ -172,6 +182,29 @@ class _Batch:
         self.lengths = [len(t) for t in self.tokens]
 
 
+@dataclass(eq=False)
+class Passes:
+    """A forward or forward_backward request of one run in progress (``TrainerEngine.begin``):
+    the passes it runs in, how many have run, the log-probabilities of their datums, and the
+    gradients the run had accumulated before it, set aside until its last pass."""
+
+    run: Run
+    request: tp.ForwardBackwardRequest
+    batch: _Batch
+    plan: list[Pass]
+    accumulated: dict[str, torch.Tensor | None]
+    done: int = 0
+    logprobs: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.logprobs = [None] * len(self.batch.tokens)
+
+    @property
+    def aside_bytes(self) -> int:
+        """What the gradients set aside hold on the device."""
+        return sum(g.numel() * g.element_size() for g in self.accumulated.values() if g is not None)
+
+
 class TrainerEngine:
     def __init__(
         self,
@@ -181,12 +214,15 @@ class TrainerEngine:
         *,
         head_chunk_bytes: int = HEAD_CHUNK_BYTES,
         pass_tokens: int | None = None,
+        slice_tokens: int | None = None,
     ) -> None:
         """``placement``: where and in what precision to compute, and the memory budget there
         (the service passes ``placement_from_env()``); by default the CPU in float32, with the
         machine's memory, as the tests and tools use it. ``pass_tokens``: what one more pass
         costs, in padded tokens, when a batch of mixed lengths is cut into passes of similar
-        lengths (``grouping.by_length``); by default ``default_pass_tokens`` of the device."""
+        lengths (``grouping.by_length``); by default ``default_pass_tokens`` of the device.
+        ``slice_tokens``: the most padded tokens of a pass (``plan``); by default
+        ``default_slice_tokens`` of the device, 0 for no bound."""
         self.cache_dir = cache_dir
         self.threads = threads
         self.placement = placement or Placement(
@@ -196,6 +232,11 @@ class TrainerEngine:
         self.pass_tokens = (
             default_pass_tokens(self.placement.device) if pass_tokens is None else pass_tokens
         )
+        self.slice_tokens = (
+            default_slice_tokens(self.placement.device) if slice_tokens is None else slice_tokens
+        )
+        # The requests begun and not yet ended (``begin``): what each set aside is held too.
+        self._in_progress: list[Passes] = []
         self.bases: dict[str, _Base] = {}
         self.model_dirs: dict[str, Path] = {}
         self.runs: dict[str, Run] = {}
@@ -226,7 +267,8 @@ class TrainerEngine:
     def _counted_bytes(self) -> int:
         stacks = sum(base.slots.nbytes() for base in self.bases.values())
         own = sum(r.state_bytes * (_RUN_COPIES - 1) // _RUN_COPIES for r in self.runs.values())
-        return sum(self._base_bytes.values()) + stacks + own
+        aside = sum(passes.aside_bytes for passes in self._in_progress)
+        return sum(self._base_bytes.values()) + stacks + own + aside
 
     def free_bytes(self) -> int:
         return self.placement.memory_bytes - self.held_bytes()
@@ -257,9 +299,10 @@ class TrainerEngine:
         """How a forward (``backward=False``) or forward_backward over datums of ``lengths``
         tokens runs: in groups of similar lengths where that saves more padding than the passes
         cost (``grouping.by_length`` with ``pass_tokens``; one group for most batches), and
-        each group within what is free of the budget: one pass if it fits; else consecutive
-        micro-batches of its datums, each as large as fits, and a datum that does not fit alone
-        with activation checkpointing. ``OutOfBudget`` if a datum does not fit even so."""
+        each group within what is free of the budget and of at most ``slice_tokens`` padded
+        tokens: one pass if it is within both; else consecutive micro-batches of its datums,
+        each as large as is within both, and a datum that does not fit alone with activation
+        checkpointing. ``OutOfBudget`` if a datum does not fit even so."""
         run = self.runs[model_id]
         free = self.free_bytes() - (
             _STEP_COPIES * run.state_bytes // _RUN_COPIES if backward else 0
@@ -278,12 +321,13 @@ class TrainerEngine:
         *,
         backward: bool,
     ) -> list[Pass]:
-        """``datums`` in passes that each fit ``free`` bytes (``plan``)."""
+        """``datums`` in passes that each fit ``free`` bytes and a slice (``plan``)."""
 
         def fits(taken: Sequence[int], checkpointed: bool = False) -> bool:
-            need = self.activation_bytes(
-                base, [lengths[i] for i in taken], backward=backward, checkpointed=checkpointed
-            )
+            widths = [lengths[i] for i in taken]
+            if len(widths) > 1 and 0 < self.slice_tokens < len(widths) * max(widths):
+                return False  # too long a pass for one slice (a datum alone is always one)
+            need = self.activation_bytes(base, widths, backward=backward, checkpointed=checkpointed)
             return need <= free
 
         if fits(datums):
@@ -555,59 +599,121 @@ class TrainerEngine:
     # -- forward / backward --------------------------------------------------------------------
 
     def forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
-        """Run the batch in as few right-padded forward passes as fit the device's memory (one,
-        when it fits: ``plan``), apply the loss to each datum's own positions, and accumulate
-        gradients unless ``forward_only``. Returns a serialized ``ForwardBackwardOutput``.
+        """Run the batch in as few right-padded forward passes as fit the device's memory and a
+        slice (one, for most batches: ``plan``), apply the loss to each datum's own positions,
+        and accumulate gradients unless ``forward_only``. Returns a serialized
+        ``ForwardBackwardOutput``. The same as ``begin``, then ``advance`` until it is done,
+        with nothing else between the passes.
 
         The gradients accumulated so far are set aside while this batch's are computed, and
         added to them only if everything came out finite: a batch that raises on the way, or
         whose loss, log-probabilities or gradients are not finite (``Unprocessable``), or that
         runs out of device memory (``Unavailable``), leaves them exactly as they were."""
-        op = "forward" if request.forward_only else "forward_backward"
-        return self._on_device(op, self._forward_backward, model_id, request)
+        passes = self.begin(model_id, request)
+        try:
+            while (output := self.advance(passes)) is None:
+                pass
+        except BaseException:
+            self.abandon(passes)  # refused for want of room (the rest ends it themselves)
+            raise
+        return output
 
-    def _forward_backward(self, model_id: str, request: tp.ForwardBackwardRequest) -> bytes:
+    def begin(self, model_id: str, request: tp.ForwardBackwardRequest) -> Passes:
+        """Begin a forward or forward_backward request: decode it, plan its passes (``plan``)
+        and set the run's accumulated gradients aside. Nothing is computed yet: ``advance`` runs
+        the passes one at a time, and between two of them the engine may run other runs' work
+        (not this run's: a run's requests go one after another). ``InvalidRequest`` and
+        ``OutOfBudget`` leave the run as it was."""
         run = self._run(model_id)
         batch = self._decode(run, request)
         grad = not request.forward_only
-        passes = self.plan(model_id, batch.lengths, backward=grad)
-        self.last_plan = passes
+        plan = self.plan(model_id, batch.lengths, backward=grad)
+        self.last_plan = plan
+        passes = Passes(run, request, batch, plan, _set_aside(run) if grad else {})
+        self._in_progress.append(passes)
+        return passes
+
+    def advance(self, passes: Passes) -> bytes | None:
+        """Run the request's next pass; after its last, return its serialized
+        ``ForwardBackwardOutput``, its gradients added to those set aside (None before). If the
+        pass no longer fits what is free of the budget (work between the passes took memory),
+        ``OutOfBudget`` with the request as it was: make room and advance again. Any other
+        failure ends the request, with the run as it was before ``begin``."""
+        op = "forward" if passes.request.forward_only else "forward_backward"
+        return self._on_device(op, self._advance, passes)
+
+    def abandon(self, passes: Passes) -> None:
+        """End a request before its last pass: the run's gradients are those set aside again.
+        Nothing, for one that has ended."""
+        if any(p is passes for p in self._in_progress):
+            self._in_progress = [p for p in self._in_progress if p is not passes]
+            _restore(passes.run, passes.accumulated)
+
+    def _advance(self, passes: Passes) -> bytes | None:
+        run, batch, request = passes.run, passes.batch, passes.request
+        if self.runs.get(run.model_id) is not run:  # unloaded between two passes
+            self.abandon(passes)
+            raise NotFound(f"training run {run.model_id!r} is not loaded on this trainer")
+        step = passes.plan[passes.done]
+        grad = not request.forward_only
+        if passes.done:
+            self._check_room(passes, step)
         span = trace.get_current_span()
-        span.set_attribute("tinsmith.micro_batches", len(passes))
-        span.set_attribute("tinsmith.checkpointed_datums", sum(p.checkpointed for p in passes))
+        span.set_attribute("tinsmith.micro_batches", len(passes.plan))
+        span.set_attribute("tinsmith.pass", passes.done + 1)
+        span.set_attribute("tinsmith.checkpointed_datums", sum(p.checkpointed for p in passes.plan))
         config = config_of(request)
         base = self.bases[run.base_model]
-        accumulated = _set_aside(run) if grad else {}
         try:
-            logprobs: list[torch.Tensor | None] = [None] * len(batch.tokens)
-            for step in passes:
-                part = _Part(run, batch, list(step.datums))
-                inputs = [batch.inputs[i] for i in part.datums]
-                with (
-                    self._checkpointing(base.model, step.checkpointed),
-                    torch.set_grad_enabled(grad),
-                    base.slots.routed(_row_slots([part])),  # the backward may recompute
-                ):
-                    (lps,) = self._target_logprobs(base, [part], grad=grad)
-                    if grad:
-                        result = losses.from_logprobs(
-                            request.loss_fn, lps, inputs, config, part.datums
-                        )
-                        _check_loss(request.loss_fn, result, inputs, part.datums)
-                        result.total.backward()  # type: ignore[no-untyped-call]
-                for i, lp in zip(part.datums, lps, strict=True):
-                    logprobs[i] = lp.detach()
+            part = _Part(run, batch, list(step.datums))
+            inputs = [batch.inputs[i] for i in part.datums]
+            with (
+                self._checkpointing(base.model, step.checkpointed),
+                torch.set_grad_enabled(grad),
+                base.slots.routed(_row_slots([part])),  # the backward may recompute
+            ):
+                (lps,) = self._target_logprobs(base, [part], grad=grad)
+                if grad:
+                    result = losses.from_logprobs(request.loss_fn, lps, inputs, config, part.datums)
+                    _check_loss(request.loss_fn, result, inputs, part.datums)
+                    result.total.backward()  # type: ignore[no-untyped-call]
+            for i, lp in zip(part.datums, lps, strict=True):
+                passes.logprobs[i] = lp.detach()
+            passes.done += 1
+            if passes.done < len(passes.plan):
+                return None
             # The outputs and metrics of the whole batch at once, as one pass would give them.
-            ready = [lp for lp in logprobs if lp is not None]
+            ready = [lp for lp in passes.logprobs if lp is not None]
             result = losses.from_logprobs(request.loss_fn, ready, batch.inputs, config)
             _check_loss(request.loss_fn, result, batch.inputs)
-            if grad:
-                summed = _accumulate(run, accumulated)
+            summed = _accumulate(run, passes.accumulated) if grad else {}
         except BaseException:
-            _restore(run, accumulated)
+            self.abandon(passes)
             raise
-        _restore(run, summed if grad else {})
+        self._in_progress = [p for p in self._in_progress if p is not passes]
+        _restore(run, summed)
         return _output(result, len(batch.tokens))
+
+    def _check_room(self, passes: Passes, step: Pass) -> None:
+        """``OutOfBudget`` where a later pass of a request no longer fits what is free, as the
+        plan made at ``begin`` reckoned it (its gradients set aside are held already)."""
+        run, request = passes.run, passes.request
+        grad = not request.forward_only
+        lengths = [passes.batch.lengths[i] for i in step.datums]
+        need = self.activation_bytes(
+            run.base_model, lengths, backward=grad, checkpointed=step.checkpointed
+        )
+        steps = _STEP_COPIES * run.state_bytes // _RUN_COPIES if grad else 0
+        free = self.free_bytes() + passes.aside_bytes - steps
+        if need > free:
+            raise OutOfBudget(
+                f"pass {passes.done + 1} of {len(passes.plan)} of this request ({len(lengths)} "
+                f"datums, {sum(lengths)} tokens of {run.base_model}) needs about {mib(need)} of "
+                f"device memory, and {mib(max(free, 0))} of the trainer's budget of "
+                f"{mib(self.placement.memory_bytes)} ({MEMORY_VARIABLE}) are free since other "
+                f"work took some: {self._holdings()}",
+                short=need - free,
+            )
 
     def forward_backward_together(
         self, asks: Sequence[tuple[str, tp.ForwardBackwardRequest]]

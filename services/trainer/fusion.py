@@ -54,7 +54,7 @@ from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.compute import ComputeThread
 
-from .engine import TrainerEngine
+from .engine import Passes, TrainerEngine, default_slice_tokens
 
 OPTIM_STEP = "optim_step"
 # The longest the fuser waits for the runs it just served to hand it their next request.
@@ -77,6 +77,9 @@ class Ask:
     future: asyncio.Future[Any] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    # A forward_backward or forward that ``alone`` began and that has passes left: it waits for
+    # its next pass in line like a new request, and is never fused.
+    passes: Passes | None = None
 
     @property
     def kind(self) -> str:
@@ -100,8 +103,9 @@ def default_limits(device: torch.device) -> tuple[int, int]:
     jobs of 320-token requests fell into lockstep and left the trainer idle a third of the
     time). On an accelerator 16384 and 4096: on an H200, 4 runs of SmolLM2-135M's shape in
     bfloat16 trained 1.82x to 2.04x faster fused at 16 to 1024 tokens each, and 1.65x at 4096
-    (tinsmith/small: 1.58x), the largest measured (docs/performance.md)."""
-    return (2048, 128) if device.type == "cpu" else (16384, 4096)
+    (tinsmith/small: 1.58x), the largest measured (docs/performance.md). A fused pass is at
+    most as long as a slice of one request alone (engine.default_slice_tokens)."""
+    return default_slice_tokens(device), (128 if device.type == "cpu" else 4096)
 
 
 class Fuser:
@@ -162,6 +166,8 @@ class Fuser:
     def _goes_with(self, first: Ask, ask: Ask) -> bool:
         if ask.kind != first.kind or self.token_budget <= 0:
             return False
+        if first.passes is not None or ask.passes is not None:
+            return False
         if ask.kind == OPTIM_STEP:
             return True
         return (
@@ -194,6 +200,9 @@ class Fuser:
                 await self.compute.idle()
                 await self._returned()
                 group = self._take()
+                for ask in group:
+                    if ask.future.done() and ask.passes is not None:  # cancelled between passes
+                        await self.compute.run(self.engine.abandon, ask.passes)
                 pending = [ask for ask in group if not ask.future.done()]  # cancelled: skip
                 if len(pending) > 1:
                     pending = await self._together(pending)
@@ -254,12 +263,18 @@ class Fuser:
         return left
 
     async def _settle(self, ask: Ask) -> None:
-        """Run the request alone, in its own context, and hand it its outcome."""
+        """Run the request alone, in its own context, and hand it its outcome; or, where
+        ``alone`` ran only its next pass (None, with ``ask.passes`` set), put it back in line
+        behind what waits now."""
         try:
             work = self.alone(ask)
             result = await asyncio.get_running_loop().create_task(work, context=ask.context)
         except Exception as exc:
             self._deliver(ask, exc)
+            return
+        if result is None and ask.passes is not None:
+            ask.since = time.monotonic()
+            self._waiting.append(ask)
             return
         self._deliver(ask, result)
 

@@ -1031,18 +1031,34 @@ class Trainer:
         return Outcome(output, PROTOBUF, metrics)
 
     async def _alone(self, ask: Ask) -> Any:
-        """A request by itself (the fuser's way for one that runs with no other)."""
+        """A request by itself (the fuser's way for one that runs with no other). A
+        forward_backward or forward runs one pass at a time (the engine's ``plan`` cuts a large
+        one into slices): this runs its next pass, and returns None while passes are left, so
+        that the fuser serves other runs' requests before the next."""
         if isinstance(ask.work, bus.AdamParams):
             return await self.compute.traced(
                 ask.kind, ask.attributes, self.engine.optim_step, ask.model_id, ask.work
             )
-        request = ask.work
-        return await self._fitting(
-            ask.model_id,
-            lambda: self.compute.traced(
-                ask.kind, ask.attributes, self.engine.forward_backward, ask.model_id, request
-            ),
-        )
+        try:
+            return await self._fitting(
+                ask.model_id,
+                lambda: self.compute.traced(ask.kind, ask.attributes, self._next_pass, ask),
+            )
+        except BaseException:
+            # Refused for want of room with nothing left to unload, or cancelled: the run's
+            # gradients go back to what they were (a pass that failed did that already).
+            if ask.passes is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.compute.run(self.engine.abandon, ask.passes))
+            raise
+
+    def _next_pass(self, ask: Ask) -> bytes | None:
+        """On the compute thread: the next pass of ``ask``'s request, begun first if it was not
+        (``TrainerEngine.begin``); its output after the last."""
+        if ask.passes is None:
+            assert isinstance(ask.work, tp.ForwardBackwardRequest)
+            ask.passes = self.engine.begin(ask.model_id, ask.work)
+        return self.engine.advance(ask.passes)
 
     async def _optim_step(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
         model_id = accepted.aggregate_id

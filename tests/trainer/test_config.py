@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from services.trainer.config import TrainerConfig
+from services.trainer.engine import default_slice_tokens
 from services.trainer.fusion import default_limits
 
 _FLEET = ("TINSMITH_REPLICA", "TINSMITH_TRAINER_LEASE_S", "TINSMITH_SNAPSHOT_EVERY")
@@ -51,3 +52,24 @@ def test_fusion_limits_default_to_the_devices(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS", raw)
         with pytest.raises(SystemExit, match="TINSMITH_TRAINER_FUSE_REQUEST_TOKENS"):
             TrainerConfig.from_env()
+
+
+def test_the_slice_defaults_to_the_devices_and_0_means_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unset or empty (as the deploy's env file has it), the trainer's slice is the device's
+    (the size of a fused pass); set, what is set, 0 meaning no bound; a word is refused."""
+    for raw in (None, ""):
+        if raw is None:
+            monkeypatch.delenv("TINSMITH_TRAINER_SLICE_TOKENS", raising=False)
+        else:
+            monkeypatch.setenv("TINSMITH_TRAINER_SLICE_TOKENS", raw)
+        assert TrainerConfig.from_env().slice_tokens is None
+    assert default_slice_tokens(torch.device("cpu")) == default_limits(torch.device("cpu"))[0]
+    assert default_slice_tokens(torch.device("cuda", 0)) == 16384
+    for raw, value in (("0", 0), ("4096", 4096)):
+        monkeypatch.setenv("TINSMITH_TRAINER_SLICE_TOKENS", raw)
+        assert TrainerConfig.from_env().slice_tokens == value
+    monkeypatch.setenv("TINSMITH_TRAINER_SLICE_TOKENS", "many")
+    with pytest.raises(SystemExit, match="TINSMITH_TRAINER_SLICE_TOKENS"):
+        TrainerConfig.from_env()

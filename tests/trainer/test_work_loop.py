@@ -63,7 +63,7 @@ class Harness:
         connection = await Bus.connect(nats_url or self.nats_url, name="test-trainer")
         trainer = Trainer(
             connection,
-            engine or TrainerEngine(settings.cache_dir),
+            engine or TrainerEngine(settings.cache_dir, slice_tokens=settings.slice_tokens),
             BlobStore(self.blob_url),
             settings,
         )
