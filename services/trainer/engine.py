@@ -1020,13 +1020,19 @@ class TrainerEngine:
         """Write the run's adapter in PEFT's on-disk format into ``directory``, plus its optimizer
         state for a training checkpoint, and the gradients accumulated since the last optim_step
         for a snapshot (a run unloaded between forward_backward and optim_step must not lose
-        them)."""
-        run = self._run(model_id)
-        directory.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {name: _portable(param) for name, param in run.params.items()},
-            str(directory / artifacts.ADAPTER_WEIGHTS),
+        them): ``capture``, then ``Capture.write``."""
+        captured = self.capture(
+            model_id, with_optimizer=with_optimizer, with_gradients=with_gradients
         )
+        return captured.write(directory)
+
+    def capture(
+        self, model_id: str, *, with_optimizer: bool, with_gradients: bool = False
+    ) -> Capture:
+        """What ``export`` writes, as host copies of the run's tensors as they are now: the
+        device's part of a save, on the compute thread; the writing (``Capture.write``) can go
+        on another thread while the engine computes on."""
+        run = self._run(model_id)
         config = LoraConfig(
             r=run.rank,
             lora_alpha=lora_layout.ALPHA,
@@ -1035,19 +1041,44 @@ class TrainerEngine:
             bias="none",
             base_model_name_or_path=run.base_model,
         )
-        config.save_pretrained(str(directory))
-        if with_optimizer:
-            save_file(_optimizer_tensors(run), str(directory / artifacts.OPTIMIZER_STATE))
         grads = {
             name: _portable(param.grad)
             for name, param in run.params.items()
-            if param.grad is not None
+            if with_gradients and param.grad is not None
         }
-        if with_gradients and grads:
-            save_file(grads, str(directory / artifacts.GRADIENTS))
-        metadata = {"model_id": model_id, "base_model": run.base_model, "lora_rank": run.rank}
-        (directory / artifacts.METADATA).write_text(json.dumps(metadata))
-        return metadata
+        return Capture(
+            weights={name: _portable(param) for name, param in run.params.items()},
+            config=config,
+            optimizer=_optimizer_tensors(run) if with_optimizer else None,
+            gradients=grads,
+            metadata={"model_id": model_id, "base_model": run.base_model, "lora_rank": run.rank},
+        )
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A run's state for a checkpoint (``TrainerEngine.capture``): host copies of its adapter,
+    and of its AdamW state and accumulated gradients where asked for, that nothing the engine
+    does later changes; ``write`` puts them on disk, on any thread."""
+
+    weights: dict[str, torch.Tensor]
+    config: LoraConfig
+    optimizer: dict[str, torch.Tensor] | None
+    gradients: dict[str, torch.Tensor]  # empty: none to keep
+    metadata: dict[str, Any]
+
+    def write(self, directory: Path) -> dict[str, Any]:
+        """PEFT's adapter files in ``directory``, the optimizer state and gradients beside them
+        where captured, and the run's metadata; returns the metadata."""
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.weights, str(directory / artifacts.ADAPTER_WEIGHTS))
+        self.config.save_pretrained(str(directory))
+        if self.optimizer is not None:
+            save_file(self.optimizer, str(directory / artifacts.OPTIMIZER_STATE))
+        if self.gradients:
+            save_file(self.gradients, str(directory / artifacts.GRADIENTS))
+        (directory / artifacts.METADATA).write_text(json.dumps(self.metadata))
+        return self.metadata
 
 
 @dataclass
@@ -1266,11 +1297,11 @@ def _optimizer_tensors(run: Run) -> dict[str, torch.Tensor]:
 
 def _portable(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor as a checkpoint holds it: float32 (the adapter, its gradients and AdamW state
-    are float32 anyway) on the CPU, so it loads on any device."""
+    are float32 anyway) on the CPU, so it loads on any device; always a copy, which the engine's
+    later steps do not change (on the CPU the tensor itself would be the run's own)."""
     value = tensor.detach()
-    if value.is_floating_point():
-        value = value.float()
-    return value.to("cpu").contiguous()
+    dtype = torch.float32 if value.is_floating_point() else value.dtype
+    return value.to("cpu", dtype, copy=True, memory_format=torch.contiguous_format)
 
 
 def _state_on(param: torch.Tensor, key: str, value: torch.Tensor) -> torch.Tensor:

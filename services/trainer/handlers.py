@@ -756,30 +756,29 @@ class Trainer:
     # -- snapshots and idle runs ---------------------------------------------------------------
 
     async def _snapshot(self, model_id: str, queue: _RunQueue) -> None:
-        """Write the run's state as it is now (after seq_id ``queue.next_seq - 1``) to a local
-        directory, then upload it and record ``RunSnapshotted`` in the background, while the
-        run's next requests run."""
+        """Capture the run's state as it is now (after seq_id ``queue.next_seq - 1``) on the
+        compute thread, then write it to a local directory, upload it and record
+        ``RunSnapshotted`` in the background, while the run's next requests run."""
         queue.steps = 0
         next_seq = queue.next_seq
-        tmp = tempfile.TemporaryDirectory(prefix="tinsmith-snapshot-")
         try:
-            await self.compute.traced(
+            captured = await self.compute.traced(
                 "snapshot",
                 self._attributes(model_id, queue),
-                self.engine.export,
+                self.engine.capture,
                 model_id,
-                Path(tmp.name),
                 with_optimizer=True,
                 with_gradients=True,
             )
         except Exception:
-            tmp.cleanup()
             log.exception("could not snapshot run %s", model_id)
             return
+        tmp = tempfile.TemporaryDirectory(prefix="tinsmith-snapshot-")
 
         async def upload() -> None:
             try:
                 async with queue.snapshots:
+                    await asyncio.to_thread(captured.write, Path(tmp.name))
                     key = artifacts.snapshot_key(model_id, next_seq)
                     await self.blobs.put_dir(key, Path(tmp.name))
                     if queue.lost or not await self.fleet.confirm(model_id):
@@ -1122,16 +1121,17 @@ class Trainer:
     async def _export(
         self, model_id: str, key: str, *, with_optimizer: bool, with_gradients: bool = False
     ) -> tuple[dict[str, object], int]:
+        captured = await self.compute.traced(
+            "save",
+            self._attributes(model_id),
+            self.engine.capture,
+            model_id,
+            with_optimizer=with_optimizer,
+            with_gradients=with_gradients,
+        )
+        # Written off the compute thread, which goes on with the other runs' work.
         with tempfile.TemporaryDirectory(prefix="tinsmith-save-") as tmp:
-            metadata = await self.compute.traced(
-                "save",
-                self._attributes(model_id),
-                self.engine.export,
-                model_id,
-                Path(tmp),
-                with_optimizer=with_optimizer,
-                with_gradients=with_gradients,
-            )
+            metadata = await asyncio.to_thread(captured.write, Path(tmp))
             return metadata, await self.blobs.put_dir(key, Path(tmp))
 
     async def _with_checkpoint(

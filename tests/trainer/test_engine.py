@@ -261,3 +261,26 @@ def test_the_finiteness_check_names_exactly_the_tensors_with_a_nan_or_an_infinit
     assert engine_module._not_finite(tensors) == ["nan", "inf", "huge and nan"]
     assert engine_module._not_finite({"fine": torch.ones(2), "huge": torch.full((2,), 1e30)}) == []
     assert engine_module._not_finite({}) == []
+
+
+def test_a_capture_keeps_the_state_it_was_taken_at_while_the_run_trains_on(
+    engine: TrainerEngine, tmp_path: Path
+) -> None:
+    """A save's capture (on the compute thread) is written later, on another thread, while the
+    run may step: what it writes is the run as it was when captured, weights, AdamW state and
+    gradients, not as it is when written."""
+    _create(engine, "captured")
+    engine.forward_backward("captured", _request(0))
+    engine.optim_step("captured", ADAM)
+    engine.forward_backward("captured", _request(1))
+    weights, grads = _weights(engine, "captured"), _grads(engine, "captured")
+    captured = engine.capture("captured", with_optimizer=True, with_gradients=True)
+    engine.optim_step("captured", ADAM)  # the run moves on before the capture is written
+    engine.forward_backward("captured", _request(2))
+    captured.write(tmp_path)
+
+    lora = bus.LoraConfig(rank=4, seed=1, train_mlp=True, train_attn=True, train_unembed=True)
+    create = bus.CreateModel(base_model="tinsmith/tiny", lora=lora, load_optimizer=True)
+    engine.create_run("restored", create, tmp_path)
+    assert _same(_weights(engine, "restored"), weights)
+    assert _same(_grads(engine, "restored"), grads)
