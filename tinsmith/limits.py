@@ -97,6 +97,13 @@ def count_from_env(name: str) -> int | None:
     return value
 
 
+def bound_from_env(name: str) -> int | None:
+    """Like ``count_from_env``, where ``0`` is also taken: a bound that is off."""
+    if os.environ.get(name, "").strip() == "0":
+        return 0
+    return count_from_env(name)
+
+
 # Each bound's environment variable.
 VARIABLES = {
     "max_lora_rank": "TINSMITH_MAX_LORA_RANK",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinsmith import models, runtime
+from tinsmith.limits import bound_from_env
 
 from .engine import DEFAULT_ROWS_PER_REQUEST, default_engine_kind
 
@@ -36,6 +37,10 @@ class SamplerConfig:
     # but reaching the sampler over some milliseconds) is prefilled in one forward instead of
     # one as the first arrives and the rest in another (handlers.py, ``_form``). 0: no wait.
     batch_delay_s: float = 0.01
+    # The most prompt tokens one step of the torch engine prefills: a larger burst's prompts are
+    # prefilled over several steps, the running rows decoding between them. None: the device's
+    # default (torch_engine.default_prefill_tokens); 0: no bound.
+    prefill_tokens: int | None = None
 
     @classmethod
     def from_env(cls) -> SamplerConfig:
@@ -51,4 +56,5 @@ class SamplerConfig:
             rows_per_request=int(env("TINSMITH_SAMPLER_ROWS_PER_REQUEST", cls.rows_per_request)),
             batch_delay_s=float(env("TINSMITH_SAMPLER_BATCH_DELAY_MS", cls.batch_delay_s * 1e3))
             / 1e3,
+            prefill_tokens=bound_from_env("TINSMITH_SAMPLER_PREFILL_TOKENS"),
         )

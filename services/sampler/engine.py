@@ -143,6 +143,7 @@ def make_engine(config: SamplerConfig, placement: Placement | None = None) -> En
             adapter_cache_bytes=adapter_cache_bytes,
             rows_per_request=config.rows_per_request,
             placement=placement,
+            prefill_tokens=config.prefill_tokens,
         )
         return engine
     if config.engine == "vllm":

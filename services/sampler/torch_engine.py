@@ -121,6 +121,18 @@ log = logging.getLogger(__name__)
 
 # Sequences decoded together at most; requests beyond it wait for rows to finish.
 DEFAULT_MAX_ROWS = 256
+
+
+def default_prefill_tokens(device: torch.device) -> int:
+    """The most prompt tokens a step prefills (a longer prompt alone is prefilled whole): the
+    prompts of a larger burst of requests are prefilled over several steps, each followed by a
+    decoding step of the rows already running, so that a burst does not stall the others'
+    decoding for the whole of its prefill. 2048 on the CPU, 16384 on an accelerator, the
+    trainer's slice (services/trainer/engine.py ``default_slice_tokens``).
+    ``TINSMITH_SAMPLER_PREFILL_TOKENS`` overrides it (0: no bound)."""
+    return 2048 if device.type == "cpu" else 16384
+
+
 # The generator stream of a request's prompt_alt_tokens draws (sequence i uses stream i).
 _ALT_STREAM = 2**32
 # Temperatures below it sample as if they were it (``_tempered``).
@@ -229,10 +241,13 @@ class TorchEngine:
         max_rows: int = DEFAULT_MAX_ROWS,
         rows_per_request: int = DEFAULT_ROWS_PER_REQUEST,
         placement: Placement | None = None,
+        prefill_tokens: int | None = None,
     ) -> None:
         """``placement``: where to compute, in what dtype, within what memory (the service
         passes ``device.placement_from_env()``); by default the CPU in float32, with the
-        machine's memory, as the tests and tools use it."""
+        machine's memory, as the tests and tools use it. ``prefill_tokens``: the most prompt
+        tokens a step prefills; by default ``default_prefill_tokens`` of the device, 0 for no
+        bound."""
         if max_rows < 1 or rows_per_request < 1:
             raise ValueError("max_rows and rows_per_request must be at least 1")
         self.cache_dir = cache_dir
@@ -242,6 +257,11 @@ class TorchEngine:
         self.adapter_cache_bytes = adapter_cache_bytes
         self.max_rows = max_rows
         self.rows_per_request = min(rows_per_request, max_rows)
+        self.prefill_tokens = (
+            default_prefill_tokens(self.placement.device)
+            if prefill_tokens is None
+            else prefill_tokens
+        )
         self.bases: dict[str, _Base] = {}
         self._waiting: list[_Request] = []  # the waiting line: requests with sequences to admit
         # Requests with sequences left that hold their share of rows: each goes to the back of
@@ -686,8 +706,10 @@ class TorchEngine:
         then goes to the back: behind the requests that came meanwhile. One that got none for
         want of rows keeps its place; one that got none for want of memory keeps its place and
         holds the line (unless nothing runs, when only what other waiting requests keep could be
-        in its way; one that could not fit even then is failed). New prompts are prefilled;
-        later slices reuse their request's prefilled prompt."""
+        in its way; one that could not fit even then is failed). New prompts are prefilled, at
+        most ``prefill_tokens`` of them a step (a longer prompt alone): the first new prompt
+        past that waits, with every new prompt behind it, keeping their places for the next
+        step; later slices reuse their request's prefilled prompt."""
         parked = self._parked
         self._parked = [r for r in parked if r.running >= self.rows_per_request]
         self._waiting.extend(r for r in parked if r.running < self.rows_per_request)
@@ -700,8 +722,14 @@ class TorchEngine:
         more: dict[str, list[tuple[_Request, int]]] = {}  # prefilled already
         behind: list[_Request] = []
         blocked = False
+        prefilling = 0  # prompt tokens this step prefills
+        prefill_full = False
         for request in line:
-            if blocked:
+            if not request.prefilled:
+                prompt = len(request.command.prompt)
+                over = 0 < self.prefill_tokens < prefilling + prompt
+                prefill_full = prefill_full or (prefilling > 0 and over)
+            if blocked or (prefill_full and not request.prefilled):
                 self._waiting.append(request)
                 continue
             name = request.base.name
@@ -733,6 +761,8 @@ class TorchEngine:
             take = fit
             plan.take(name, request.base.costs, _ask(request), take)
             used[name] = used.get(name, 0) + take
+            if not request.prefilled:
+                prefilling += len(request.command.prompt)
             (more if request.prefilled else fresh).setdefault(name, []).append((request, take))
             if take < left and request.running + take >= self.rows_per_request:
                 self._parked.append(request)

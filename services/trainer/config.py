@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinsmith import models, runtime
-from tinsmith.limits import count_from_env
+from tinsmith.limits import bound_from_env, count_from_env
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,8 @@ class TrainerConfig:
             replica=os.environ.get("TINSMITH_REPLICA", cls.replica),
             lease_s=float(os.environ.get("TINSMITH_TRAINER_LEASE_S", cls.lease_s)),
             snapshot_every=int(os.environ.get("TINSMITH_SNAPSHOT_EVERY", cls.snapshot_every)),
-            fuse_tokens=_tokens_from_env("TINSMITH_TRAINER_FUSE_TOKENS"),
+            fuse_tokens=bound_from_env("TINSMITH_TRAINER_FUSE_TOKENS"),
             fuse_request_tokens=count_from_env("TINSMITH_TRAINER_FUSE_REQUEST_TOKENS"),
             pass_tokens=count_from_env("TINSMITH_TRAINER_PASS_TOKENS"),
-            slice_tokens=_tokens_from_env("TINSMITH_TRAINER_SLICE_TOKENS"),
+            slice_tokens=bound_from_env("TINSMITH_TRAINER_SLICE_TOKENS"),
         )
-
-
-def _tokens_from_env(name: str) -> int | None:
-    """A count of tokens from ``name`` where 0 means none (``count_from_env`` otherwise)."""
-    if os.environ.get(name, "").strip() == "0":
-        return 0
-    return count_from_env(name)

@@ -13,10 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from google.protobuf.message import Message
 
 from services.sampler.engine import run_all
 from services.sampler.torch_engine import TorchEngine
+from tests.calls import record_calls
 from tests.sampler.test_engine import BASE, _assert_same, _command, _decode, _prompt
 from tests.sampler.test_isolation import save_nan_adapter
 from tinsmith import models
@@ -126,6 +128,46 @@ def test_a_short_request_joins_while_a_long_one_decodes() -> None:
     # waits for the long one's first 32 rows to finish (it then goes before its next slice).
     assert taken[16] == (3, 4 * 12)
     assert taken[32] == (12 - 3 + 3, 12 + 3 + 12)
+
+
+def test_a_burst_is_prefilled_a_budget_at_a_time_while_the_running_rows_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With 40 prompt tokens a step, a burst of five requests with 20-token prompts and one
+    with a 50-token prompt (longer than the budget: prefilled alone) is prefilled over four
+    steps, in the order the requests came, and a request already decoding advances a token at
+    every one of them. Each request gets what it gets from an engine that prefills the burst at
+    once."""
+    running = _command(_prompt(97, 8), "", n=2, max_tokens=12, seed=17, stop_tokens=[])
+    burst = [_command(_prompt(n, 20), "", n=2, max_tokens=5, seed=n) for n in range(5)]
+    burst.insert(2, _command(_prompt(98, 50), "", max_tokens=4, seed=18))
+    prefills = record_calls(monkeypatch, TorchEngine, "_prefill")
+    results = {}
+    for budget in (40, 0):
+        engine = TorchEngine(models.default_cache_dir(), prefill_tokens=budget)
+        engine.add(0, running)
+        assert not engine.step()
+        prefills.clear()
+        for ticket, command in enumerate(burst, start=1):
+            engine.add(ticket, command)
+        outcomes: dict[int, bytes | Exception] = {}
+        decoded = [len(engine._requests[0].sequences[0].tokens)]
+        while len(outcomes) < len(burst) + 1:
+            outcomes.update(engine.step())
+            if 0 not in outcomes:
+                decoded.append(len(engine._requests[0].sequences[0].tokens))
+        results[budget] = outcomes
+        assert np.all(np.diff(decoded) == 1)  # a token at every step, prefills or not
+        # Each step's prefill, as the requests' prompt lengths.
+        waves = [[len(r.command.prompt) for r, _ in call[1]] for call in prefills]
+        if budget:
+            assert waves == [[20, 20], [50], [20, 20], [20]]
+        else:
+            assert waves == [[20, 20, 50, 20, 20, 20]]
+    for ticket in range(len(burst) + 1):
+        bounded, whole = results[40][ticket], results[0][ticket]
+        assert isinstance(bounded, bytes) and isinstance(whole, bytes)
+        _assert_same(_decode(bounded), _decode(whole))
 
 
 def test_a_request_that_fails_or_is_cancelled_gives_up_its_waiting_slices(
