@@ -202,7 +202,8 @@ class Fuser:
                 group = self._take()
                 for ask in group:
                     if ask.future.done() and ask.passes is not None:  # cancelled between passes
-                        await self.compute.run(self.engine.abandon, ask.passes)
+                        with contextlib.suppress(Exception):  # the thread is gone: so is the run
+                            await self.compute.run(self.engine.abandon, ask.passes)
                 pending = [ask for ask in group if not ask.future.done()]  # cancelled: skip
                 if len(pending) > 1:
                     pending = await self._together(pending)

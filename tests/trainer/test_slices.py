@@ -1,13 +1,14 @@
 """A request longer than a slice runs in passes of at most ``slice_tokens`` padded tokens, one at
 a time (``TrainerEngine.begin`` and ``advance``), with the one pass's outputs and gradients; other
-runs' work between its passes changes neither its results nor theirs; a request abandoned or
-failing between its passes leaves its run as it was; and in the trainer, a run's request waits for
-one slice of another run's large request, not for the whole of it."""
+runs' work between its passes changes neither its results nor theirs; a request abandoned,
+failing or cancelled between its passes leaves its run as it was; and in the trainer, a run's
+request waits for one slice of another run's large request, not for the whole of it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from services.device import Placement
-from services.trainer.engine import OutOfBudget, Pass, TrainerEngine
+from services.trainer.engine import OutOfBudget, Pass, Passes, TrainerEngine
+from services.trainer.fusion import Ask
 from tests.trainer.test_fusion import FUSED_ADAM, TOLERANCE, _max_gap, _tensor_gap, _tensors
 from tests.trainer.test_memory import HUGE, TINY, _create, _request
 from tests.trainer.test_work_loop import Harness, _batch
@@ -182,3 +184,37 @@ async def test_a_runs_request_waits_for_one_slice_of_anothers_not_the_whole(
 def _create_like_harness(engine: TrainerEngine, model_id: str) -> None:
     lora = bus.LoraConfig(rank=4, seed=1, train_mlp=True, train_attn=True, train_unembed=True)
     engine.create_run(model_id, bus.CreateModel(session_id="S", base_model=TINY, lora=lora))
+
+
+async def test_a_request_cancelled_between_its_passes_gives_its_run_back(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose caller went away after its first pass (its future cancelled, as when the
+    trainer lets go of its run) is abandoned when its turn comes again: the run's gradients are
+    those it had before, and nothing stays set aside."""
+    async with harness.trainer(slice_tokens=11, fuse_tokens=0) as trainer:
+        await harness.settled(await harness.create("sc"))
+        await harness.settled(await harness.accept("sc", 1, forward_backward=_batch(3)))
+        before = _tensors(trainer.engine, "sc", True)
+        first = threading.Event()
+        advance = trainer.engine.advance
+
+        def slowed(passes: Passes) -> bytes | None:
+            output = advance(passes)
+            if passes.done == 1:  # hold the thread after the first of the 8 passes
+                first.set()
+                time.sleep(0.3)
+            return output
+
+        monkeypatch.setattr(trainer.engine, "advance", slowed)
+        ask = Ask("sc", TINY, _batch(4, datums=8), 88, {})
+        waiting = asyncio.ensure_future(trainer.fuser.forward_backward(ask))
+        assert await asyncio.to_thread(first.wait, 10.0)
+        waiting.cancel()
+        for _ in range(100):
+            if not trainer.engine._in_progress:
+                break
+            await asyncio.sleep(0.05)
+        assert not trainer.engine._in_progress
+        assert ask.passes is not None and ask.passes.done == 1
+        assert _tensor_gap(_tensors(trainer.engine, "sc", True), before) == 0
