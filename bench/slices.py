@@ -81,7 +81,6 @@ def measure(
         if step:
             times["sliced"].append(elapsed)
             times["longest"].append(longest)
-        synchronize(device)
         started = time.perf_counter()
         whole.forward_backward("run", request)
         whole.optim_step("run", ADAM)

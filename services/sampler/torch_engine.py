@@ -725,11 +725,10 @@ class TorchEngine:
         prefilling = 0  # prompt tokens this step prefills
         prefill_full = False
         for request in line:
-            if not request.prefilled:
-                prompt = len(request.command.prompt)
-                over = 0 < self.prefill_tokens < prefilling + prompt
-                prefill_full = prefill_full or (prefilling > 0 and over)
-            if blocked or (prefill_full and not request.prefilled):
+            fresh_prompt = 0 if request.prefilled else len(request.command.prompt)
+            if fresh_prompt and prefilling and 0 < self.prefill_tokens < prefilling + fresh_prompt:
+                prefill_full = True
+            if blocked or (prefill_full and fresh_prompt):
                 self._waiting.append(request)
                 continue
             name = request.base.name
@@ -761,8 +760,7 @@ class TorchEngine:
             take = fit
             plan.take(name, request.base.costs, _ask(request), take)
             used[name] = used.get(name, 0) + take
-            if not request.prefilled:
-                prefilling += len(request.command.prompt)
+            prefilling += fresh_prompt
             (more if request.prefilled else fresh).setdefault(name, []).append((request, take))
             if take < left and request.running + take >= self.rows_per_request:
                 self._parked.append(request)

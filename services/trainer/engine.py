@@ -24,13 +24,14 @@ only, and its outputs and gradients are what it gets alone, to float32 rounding.
 Memory is a budget (``placement.memory_bytes``, ``TINSMITH_DEVICE_MEMORY_MB``): the engine counts
 what it holds on the device (each base model's weights, each run's adapter with its gradients and
 AdamW state) and estimates each forward or forward_backward's activations from its tokens before
-running it. A batch that does not fit what is free runs in micro-batches of datums whose
-gradients accumulate (the outputs and gradients are the one pass's, to float32 rounding); a datum
-that does not fit alone runs with activation checkpointing; one that does not fit even so, and a
-run or base model that does not fit, is refused with ``OutOfBudget``, which says what is needed
-and what is free (the handlers unload idle runs, least recently used first, and try again). An
-out-of-memory error on the device fails its request alone (``Unavailable``), with the run as it
-was and the allocator's cache released. The loss reads the base model's hidden states and runs
+running it. A batch that does not fit what is free, or is longer than a slice (``slice_tokens``:
+another run's request can run between two passes, ``begin`` and ``advance``), runs in micro-batches
+of datums whose gradients accumulate (the outputs and gradients are the one pass's, to float32
+rounding); a datum that does not fit alone runs with activation checkpointing; one that does not fit
+even so, and a run or base model that does not fit, is refused with ``OutOfBudget``, which says what
+is needed and what is free (the handlers unload idle runs, least recently used first, and try
+again). An out-of-memory error on the device fails its request alone (``Unavailable``), with the run
+as it was and the allocator's cache released. The loss reads the base model's hidden states and runs
 the LM head (its LoRA included, routed per position), the float32 log-softmax and the pick of the
 targets a chunk of positions at a time, so no step holds every position's float32 logits at once.
 
@@ -200,6 +201,10 @@ class Passes:
         self.logprobs = [None] * len(self.batch.tokens)
 
     @property
+    def backward(self) -> bool:
+        return not self.request.forward_only
+
+    @property
     def aside_bytes(self) -> int:
         """What the gradients set aside hold on the device."""
         return sum(g.numel() * g.element_size() for g in self.accumulated.values() if g is not None)
@@ -304,9 +309,7 @@ class TrainerEngine:
         each as large as is within both, and a datum that does not fit alone with activation
         checkpointing. ``OutOfBudget`` if a datum does not fit even so."""
         run = self.runs[model_id]
-        free = self.free_bytes() - (
-            _STEP_COPIES * run.state_bytes // _RUN_COPIES if backward else 0
-        )
+        free = self.free_bytes() - (_step_bytes(run) if backward else 0)
         passes: list[Pass] = []
         for group in grouping.by_length(lengths, self.pass_tokens):
             passes += self._fitted(run.base_model, lengths, group, free, backward=backward)
@@ -626,10 +629,10 @@ class TrainerEngine:
         ``OutOfBudget`` leave the run as it was."""
         run = self._run(model_id)
         batch = self._decode(run, request)
-        grad = not request.forward_only
-        plan = self.plan(model_id, batch.lengths, backward=grad)
+        backward = not request.forward_only
+        plan = self.plan(model_id, batch.lengths, backward=backward)
         self.last_plan = plan
-        passes = Passes(run, request, batch, plan, _set_aside(run) if grad else {})
+        passes = Passes(run, request, batch, plan, _set_aside(run) if backward else {})
         self._in_progress.append(passes)
         return passes
 
@@ -639,14 +642,14 @@ class TrainerEngine:
         pass no longer fits what is free of the budget (work between the passes took memory),
         ``OutOfBudget`` with the request as it was: make room and advance again. Any other
         failure ends the request, with the run as it was before ``begin``."""
-        op = "forward" if passes.request.forward_only else "forward_backward"
+        op = "forward_backward" if passes.backward else "forward"
         return self._on_device(op, self._advance, passes)
 
     def abandon(self, passes: Passes) -> None:
         """End a request before its last pass: the run's gradients are those set aside again.
         Nothing, for one that has ended."""
-        if any(p is passes for p in self._in_progress):
-            self._in_progress = [p for p in self._in_progress if p is not passes]
+        if passes in self._in_progress:  # by identity
+            self._in_progress.remove(passes)
             _restore(passes.run, passes.accumulated)
 
     def _advance(self, passes: Passes) -> bytes | None:
@@ -655,7 +658,7 @@ class TrainerEngine:
             self.abandon(passes)
             raise NotFound(f"training run {run.model_id!r} is not loaded on this trainer")
         step = passes.plan[passes.done]
-        grad = not request.forward_only
+        grad = passes.backward
         if passes.done:
             self._check_room(passes, step)
         span = trace.get_current_span()
@@ -690,20 +693,19 @@ class TrainerEngine:
         except BaseException:
             self.abandon(passes)
             raise
-        self._in_progress = [p for p in self._in_progress if p is not passes]
+        self._in_progress.remove(passes)
         _restore(run, summed)
         return _output(result, len(batch.tokens))
 
     def _check_room(self, passes: Passes, step: Pass) -> None:
         """``OutOfBudget`` where a later pass of a request no longer fits what is free, as the
         plan made at ``begin`` reckoned it (its gradients set aside are held already)."""
-        run, request = passes.run, passes.request
-        grad = not request.forward_only
+        run = passes.run
         lengths = [passes.batch.lengths[i] for i in step.datums]
         need = self.activation_bytes(
-            run.base_model, lengths, backward=grad, checkpointed=step.checkpointed
+            run.base_model, lengths, backward=passes.backward, checkpointed=step.checkpointed
         )
-        steps = _STEP_COPIES * run.state_bytes // _RUN_COPIES if grad else 0
+        steps = _step_bytes(run) if passes.backward else 0
         free = self.free_bytes() + passes.aside_bytes - steps
         if need > free:
             raise OutOfBudget(
@@ -764,7 +766,7 @@ class TrainerEngine:
         grad = not modes.pop()
         base_model = runs[0].base_model
         lengths = [n for _, part, _ in members for n in part.batch.lengths]
-        steps = sum(_STEP_COPIES * run.state_bytes // _RUN_COPIES for run in runs) if grad else 0
+        steps = sum(_step_bytes(run) for run in runs) if grad else 0
         if self.activation_bytes(base_model, lengths, backward=grad) > self.free_bytes() - steps:
             return results
         base = self.bases[base_model]
@@ -1041,11 +1043,11 @@ class TrainerEngine:
             bias="none",
             base_model_name_or_path=run.base_model,
         )
-        grads = {
-            name: _portable(param.grad)
-            for name, param in run.params.items()
-            if with_gradients and param.grad is not None
-        }
+        grads = (
+            {n: _portable(p.grad) for n, p in run.params.items() if p.grad is not None}
+            if with_gradients
+            else {}
+        )
         return Capture(
             weights={name: _portable(param) for name, param in run.params.items()},
             config=config,
@@ -1373,6 +1375,11 @@ class _Part:
 def _row_slots(parts: Iterable[_Part]) -> list[int]:
     """The slot of each row of a pass over ``parts``: each datum's run's."""
     return [part.run.slot for part in parts for _ in part.datums]
+
+
+def _step_bytes(run: Run) -> int:
+    """What a forward_backward of ``run`` holds beyond its activations (``_STEP_COPIES``)."""
+    return _STEP_COPIES * run.state_bytes // _RUN_COPIES
 
 
 def _set_aside(run: Run) -> dict[str, torch.Tensor | None]:

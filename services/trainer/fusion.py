@@ -27,7 +27,9 @@ launches more than their tokens, and fusing pays at every size measured (``defau
 request alone, or one the engine would not run together (it does not fit the memory budget in
 one pass, say), runs alone through ``alone`` (the handlers' path, which makes room on the device
 when it must). Nothing waits for company: a request that finds the thread free runs at once,
-unless a run just served is about to hand over its next request (above).
+unless a run just served is about to hand over its next request (above). A request that runs alone
+in several passes (one longer than a slice: the engine's ``plan``) goes back in line after each
+pass, as if it had just come, so the requests other runs had waiting go before its next.
 
 Each request keeps its own outcome (an invalid or non-finite one fails alone) and its own trace:
 the fused work's compute span is a child of the first request's, is linked to the others', and
