@@ -138,6 +138,11 @@ class Fuser:
         self.fused_passes = 0  # passes that carried more than one run's request
         self.fused_steps = 0  # AdamW steps that stepped more than one run
 
+    @property
+    def waiting(self) -> int:
+        """The requests waiting in line for the compute thread."""
+        return len(self._waiting)
+
     async def forward_backward(self, ask: Ask) -> bytes:
         """Run ``ask``'s forward_backward or forward (with others, when they are ready
         together) and return its serialized output."""

@@ -6,9 +6,7 @@ of runs that are ready together."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import torch
 
 from services import lora_slots
 from services.trainer import engine as engine_module
+from services.trainer import fusion
 from services.trainer.engine import TrainerEngine
 from services.trainer.fusion import default_limits
 from tests.calls import record_calls
@@ -361,12 +360,11 @@ async def test_the_trainer_fuses_the_runs_that_are_ready_together(harness: Harne
                 ),
             )
         # The compute thread is busy while the three requests come: they go as one pass.
-        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 1.0))
-        await asyncio.sleep(0.1)
-        asked = [
-            await harness.accept(m, 1, forward_backward=_batch(n)) for n, m in enumerate(models_)
-        ]
-        await busy
+        async with harness.compute_held(trainer, waiting=3):
+            asked = [
+                await harness.accept(m, 1, forward_backward=_batch(n))
+                for n, m in enumerate(models_)
+            ]
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
         assert trainer.fuser.fused_passes == 1
@@ -376,11 +374,9 @@ async def test_the_trainer_fuses_the_runs_that_are_ready_together(harness: Harne
             assert gap <= TOLERANCE, m
 
         # Their optim_steps, ready together, are one AdamW step.
-        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 1.0))
-        await asyncio.sleep(0.1)
         step = bus.OptimStep(adam=FUSED_ADAM)
-        asked = [await harness.accept(m, 2, optim_step=step) for m in models_]
-        await busy
+        async with harness.compute_held(trainer, waiting=3):
+            asked = [await harness.accept(m, 2, optim_step=step) for m in models_]
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
         assert trainer.fuser.fused_steps == 1
@@ -411,18 +407,14 @@ async def test_requests_the_settings_keep_apart_run_alone(
     async with harness.trainer(**settings) as trainer:
         created = [await harness.create(m) for m in ("za", "zb")]
         await harness.settled(*created)
-        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 0.5))
-        await asyncio.sleep(0.1)
-        asked = [await harness.accept(m, 1, forward_backward=_batch(1)) for m in ("za", "zb")]
-        await busy
+        async with harness.compute_held(trainer, waiting=2):
+            asked = [await harness.accept(m, 1, forward_backward=_batch(1)) for m in ("za", "zb")]
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
         assert trainer.fuser.fused_passes == 0
-        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 0.5))
-        await asyncio.sleep(0.1)
         step = bus.OptimStep(adam=FUSED_ADAM)
-        asked = [await harness.accept(m, 2, optim_step=step) for m in ("za", "zb")]
-        await busy
+        async with harness.compute_held(trainer, waiting=2):
+            asked = [await harness.accept(m, 2, optim_step=step) for m in ("za", "zb")]
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
         assert trainer.fuser.fused_steps == (0 if settings.get("fuse_tokens") == 0 else 1)
@@ -430,29 +422,38 @@ async def test_requests_the_settings_keep_apart_run_alone(
 
 @pytest.mark.parametrize("fuse_tokens", [0, 44], ids=["each alone", "two a pass"])
 async def test_a_runs_optim_step_goes_before_passes_asked_for_after_its_own(
-    harness: Harness, fuse_tokens: int
+    harness: Harness, fuse_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two runs ask for a forward_backward and an optim_step, then a third run for a
     forward_backward, while the compute thread is busy. Each run's optim_step keeps its
     forward_backward's place in line, so both runs' steps end before the third run's pass: the
     runs do not wait for every other run's pass before their own step ends (lockstep). With 44
-    tokens a pass, the first two passes are fused (22 tokens each), and so are their steps."""
+    tokens a pass, the first two passes are fused (22 tokens each), and so are their steps.
+
+    The handlers hand a run's optim_step over some milliseconds after its pass; on a loaded
+    machine that can take longer than the fuser's wait for it (``RETURN_WAIT_S``), and the pass
+    asked for later goes first. The test waits longer, which costs nothing when the step comes
+    at once (the wait ends when it comes): it is about the order, not the machine's speed.
+    The order is the fuser's, in which it hands the requests their results: the runs record
+    their outcomes concurrently, so the event log's order of outcomes may differ."""
+    monkeypatch.setattr(fusion, "RETURN_WAIT_S", 10.0)
+    delivered = record_calls(monkeypatch, fusion.Fuser, "_deliver")
     async with harness.trainer(fuse_tokens=fuse_tokens) as trainer:
         created = [await harness.create(m) for m in ("ra", "rb", "rc")]
         await harness.settled(*created)
-        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 0.5))
-        await asyncio.sleep(0.1)
         step = bus.OptimStep(adam=FUSED_ADAM)
         asked = []
-        for n, m in enumerate(("ra", "rb")):
-            asked.append(await harness.accept(m, 1, forward_backward=_batch(n)))
-            asked.append(await harness.accept(m, 2, optim_step=step))
-        asked.append(await harness.accept("rc", 1, forward_backward=_batch(2)))
-        await busy
+        async with harness.compute_held(trainer, waiting=3):  # the three forward_backwards
+            for n, m in enumerate(("ra", "rb")):
+                asked.append(await harness.accept(m, 1, forward_backward=_batch(n)))
+                asked.append(await harness.accept(m, 2, optim_step=step))
+            asked.append(await harness.accept("rc", 1, forward_backward=_batch(2)))
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
-        order = [rid for _, rid in await harness.outcomes() if rid in asked]
-        if fuse_tokens:  # one pass, one step: their outcomes are recorded in either order
+        order = [
+            f"{ask.model_id}:{2 if ask.kind == fusion.OPTIM_STEP else 1}" for _, ask, _ in delivered
+        ]
+        if fuse_tokens:  # one pass, one step: their results are handed out in either order
             assert [set(order[:2]), set(order[2:4])] == [{"ra:1", "rb:1"}, {"ra:2", "rb:2"}]
         else:
             assert order[:4] == ["ra:1", "ra:2", "rb:1", "rb:2"]

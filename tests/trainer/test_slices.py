@@ -18,7 +18,8 @@ import torch
 
 from services.device import Placement
 from services.trainer.engine import OutOfBudget, Pass, Passes, TrainerEngine
-from services.trainer.fusion import Ask
+from services.trainer.fusion import Ask, Fuser
+from tests.calls import record_calls
 from tests.trainer.test_fusion import FUSED_ADAM, TOLERANCE, _max_gap, _tensor_gap, _tensors
 from tests.trainer.test_memory import HUGE, TINY, _create, _request
 from tests.trainer.test_work_loop import Harness, _batch
@@ -150,28 +151,28 @@ async def harness(eventlog: EventLog, nats_url: str, tmp_path: Path) -> Harness:
 
 @pytest.mark.parametrize("slice_tokens", [0, 44], ids=["whole", "in slices"])
 async def test_a_runs_request_waits_for_one_slice_of_anothers_not_the_whole(
-    harness: Harness, slice_tokens: int
+    harness: Harness, slice_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While the compute thread is busy, run "sa" asks for a forward_backward of 8 datums of 11
     tokens (88 tokens), then run "sb" for one of 22 (not fused: each runs alone). In slices of 44
     tokens, the first pass of "sa" runs, then "sb"'s request, then the rest of "sa"'s: "sb" is
-    answered first. In one pass, "sa" first. Each run's gradients are what it gets alone."""
+    answered first. In one pass, "sa" first (the order in which the fuser hands out results:
+    the runs record their outcomes concurrently). Each run's gradients are what it gets alone."""
+    delivered = record_calls(monkeypatch, Fuser, "_deliver")
     reference = TrainerEngine(models.default_cache_dir(), slice_tokens=0)
     big, small = _batch(1, datums=8), _batch(2)
     async with harness.trainer(slice_tokens=slice_tokens, fuse_tokens=0) as trainer:
         assert trainer.engine.slice_tokens == slice_tokens
         await harness.settled(*[await harness.create(m) for m in ("sa", "sb")])
-        busy = asyncio.ensure_future(trainer.compute.run(time.sleep, 0.5))
-        await asyncio.sleep(0.1)
-        asked = [
-            await harness.accept("sa", 1, forward_backward=big),
-            await harness.accept("sb", 1, forward_backward=small),
-        ]
-        await busy
+        async with harness.compute_held(trainer, waiting=2):
+            asked = [
+                await harness.accept("sa", 1, forward_backward=big),
+                await harness.accept("sb", 1, forward_backward=small),
+            ]
         outcomes = await harness.settled(*asked)
         assert all(o.status is jobs.Status.COMPLETED for o in outcomes)
-        order = [request_id for _, request_id in await harness.outcomes() if request_id in asked]
-        assert order == (["sb:1", "sa:1"] if slice_tokens else ["sa:1", "sb:1"])
+        order = [ask.model_id for _, ask, _ in delivered]
+        assert order == (["sb", "sa"] if slice_tokens else ["sa", "sb"])
         for model_id, request in (("sa", big), ("sb", small)):
             _create_like_harness(reference, model_id)
             reference.forward_backward(model_id, request)

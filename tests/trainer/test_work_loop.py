@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -74,6 +75,23 @@ class Harness:
             if not trainer.stopping:
                 await trainer.stop()
             await connection.close()
+
+    @contextlib.asynccontextmanager
+    async def compute_held(self, trainer: Trainer, waiting: int) -> AsyncIterator[None]:
+        """Hold ``trainer``'s compute thread while the body asks for requests, and let it go
+        once ``waiting`` requests wait for it in the fuser's line: whatever the machine's load,
+        the fuser then chooses among all of them."""
+        gate = threading.Event()
+        busy = asyncio.ensure_future(trainer.compute.run(gate.wait, 60.0))
+        try:
+            yield
+            deadline = time.monotonic() + 30.0
+            while trainer.fuser.waiting < waiting and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert trainer.fuser.waiting == waiting, (trainer.fuser.waiting, waiting)
+        finally:
+            gate.set()
+            await busy
 
     async def accept(self, model_id: str, seq_id: int, **command: object) -> str:
         request_id = events.request_id(model_id, seq_id)
