@@ -14,7 +14,8 @@ prompt tokens a step on the CPU) against none (0: the whole burst prefilled in o
 before the bound). For each it prints the running request's longest step after the burst came
 (how long its decoding stalled), the burst's last result (seconds from its arrival), and the
 running request's own total. With ``--rounds`` above 1 the settings alternate and the medians
-are printed.
+are printed. A prompt longer than the bound (``--burst 1 --prompt 6144``, say) is prefilled in
+chunks, one a step.
 
     .venv/bin/python -m bench.prefill_burst [--model tinsmith/small] [--burst 32] [--prompt 256]
         [--bound N] [--rounds 3] [--threads N]

@@ -38,7 +38,8 @@ class SamplerConfig:
     # one as the first arrives and the rest in another (handlers.py, ``_form``). 0: no wait.
     batch_delay_s: float = 0.01
     # The most prompt tokens one step of the torch engine prefills: a larger burst's prompts are
-    # prefilled over several steps, the running rows decoding between them. None: the device's
+    # prefilled over several steps, and a longer prompt in chunks, the running rows decoding
+    # between them. None: the device's
     # default (torch_engine.default_prefill_tokens); 0: no bound.
     prefill_tokens: int | None = None
 

@@ -23,6 +23,14 @@ the other prompt scores are computed once, at the prefill. (Models whose cache h
 sliding-window layers cannot join batches: their requests are admitted whole, into an empty
 batch.)
 
+A step prefills at most ``prefill_tokens`` prompt tokens (``TINSMITH_SAMPLER_PREFILL_TOKENS``), so
+that new prompts do not stall the running rows for longer than that: a burst's prompts wait for
+later steps, their places kept, and a prompt longer than the bound is prefilled in chunks, one a
+step, its cache growing in one row until its last chunk, when its scores are computed and its
+rows join the batch as a later slice's would. Such a request is admitted with its first chunk,
+and the memory plan keeps what it was admitted with (its whole prefill and its rows) until its
+last, so nothing admitted meanwhile takes it.
+
 Each sequence has its own generator, seeded from (seed, index), so what a seeded request
 samples does not depend on ``num_samples``, on the slices it was admitted in, or on what else is
 in the batch.
@@ -124,9 +132,9 @@ DEFAULT_MAX_ROWS = 256
 
 
 def default_prefill_tokens(device: torch.device) -> int:
-    """The most prompt tokens a step prefills (a longer prompt alone is prefilled whole): the
-    prompts of a larger burst of requests are prefilled over several steps, each followed by a
-    decoding step of the rows already running, so that a burst does not stall the others'
+    """The most prompt tokens a step prefills: the prompts of a larger burst of requests are
+    prefilled over several steps, and a longer prompt in chunks over several steps, each
+    followed by a decoding step of the rows already running, so that neither stalls the others'
     decoding for the whole of its prefill. 2048 on the CPU, 16384 on an accelerator, the
     trainer's slice (services/trainer/engine.py ``default_slice_tokens``).
     ``TINSMITH_SAMPLER_PREFILL_TOKENS`` overrides it (0: no bound)."""
@@ -176,6 +184,20 @@ class _Prompt:
     length: int
 
 
+@dataclass
+class _Chunked:
+    """A prompt longer than a step's prefill bound, prefilled a chunk a step: its cache so far
+    (one row, with room for the whole prompt), the logits of every position so far where its
+    request scores its prompt, and the rows its request was given when its first chunk was
+    admitted, which the memory plan keeps for it until its last chunk (``TorchEngine._plan``)."""
+
+    rows: int
+    cache: DynamicCache | None = None
+    length: int = 0  # prompt tokens prefilled
+    logits: torch.Tensor | None = None  # [vocab]: the last prefilled position's
+    scores: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] each
+
+
 @dataclass(eq=False)  # compared and hashed by identity
 class _Request:
     ticket: int
@@ -191,6 +213,7 @@ class _Request:
     running: int = 0  # its rows in the running batch
     prefilled: bool = False
     prompt: _Prompt | None = None  # while sequences wait for rows (after the first slice)
+    chunked: _Chunked | None = None  # while its prompt is prefilled in chunks
     cancelled: bool = False
     failed: bool = False
     done: bool = False
@@ -206,6 +229,14 @@ class _Request:
         if self.command.params.max_tokens <= 0:
             return 0
         return self.command.num_samples - len(self.sequences)
+
+    @property
+    def unprefilled(self) -> int:
+        """Its prompt tokens not prefilled yet."""
+        if self.prefilled:
+            return 0
+        done = self.chunked.length if self.chunked is not None else 0
+        return len(self.command.prompt) - done
 
 
 @dataclass
@@ -555,6 +586,7 @@ class TorchEngine:
 
     def _unqueue(self, request: _Request) -> None:
         request.prompt = None
+        request.chunked = None
         for queue in (self._waiting, self._parked):
             if request in queue:
                 queue.remove(request)
@@ -604,14 +636,18 @@ class TorchEngine:
         return weights, adapters, prompts
 
     def _plan(self) -> Plan:
-        """The memory as it is, with the running rows reserved to their last tokens. What is
-        not rows is the engine's count, or, where torch counts the device's tensors (CUDA,
+        """The memory as it is, with the running rows reserved to their last tokens, and each
+        prompt being prefilled in chunks with what its request was admitted with (its whole
+        prompt's prefill and its rows), so that no later admission takes what it will need. What
+        is neither is the engine's count, or, where torch counts the device's tensors (CUDA,
         MPS) and they take more (what the engine does not see: the allocator's rounding, a
-        library's own buffers), that measure less the rows' tensors."""
+        library's own buffers), that measure less the rows' and the chunked prompts' tensors."""
         held = sum(self._held())
+        chunked = self._chunked()
         measured = device.allocated(self.placement.device)
         if measured:
-            held = max(held, measured - self._row_bytes())
+            inside = self._row_bytes() + sum(_chunk_bytes(r) for r in chunked)
+            held = max(held, measured - inside)
         plan = Plan(self.placement.memory_bytes, held, self.rows_per_request, {})
         for name, batch in self._batches.items():
             remaining = sum(
@@ -624,7 +660,14 @@ class TorchEngine:
                 width=int(batch.mask.shape[1]),
                 remaining=remaining,
             )
+        for request in chunked:  # what each was admitted with, its prefill and rows
+            assert request.chunked is not None
+            plan.take(request.base.name, request.base.costs, _ask(request), request.chunked.rows)
         return plan
+
+    def _chunked(self) -> list[_Request]:
+        """The requests whose prompts are being prefilled in chunks."""
+        return [r for r in self._requests.values() if r.chunked is not None and not r.gone]
 
     def _never_fits(self, request: _Request) -> InvalidRequest | None:
         """The refusal of a request that could not fit the budget even alone: its first slice
@@ -706,67 +749,102 @@ class TorchEngine:
         then goes to the back: behind the requests that came meanwhile. One that got none for
         want of rows keeps its place; one that got none for want of memory keeps its place and
         holds the line (unless nothing runs, when only what other waiting requests keep could be
-        in its way; one that could not fit even then is failed). New prompts are prefilled, at
-        most ``prefill_tokens`` of them a step (a longer prompt alone): the first new prompt
-        past that waits, with every new prompt behind it, keeping their places for the next
-        step; later slices reuse their request's prefilled prompt."""
+        in its way; one that could not fit even then is failed).
+
+        New prompts are prefilled, at most ``prefill_tokens`` of them a step. A prompt that does
+        not fit what is left of the step waits, with every new prompt behind it, keeping their
+        places for the next step; except a prompt longer than the bound (on a model whose cache
+        can be joined), which is prefilled in chunks: each step, what is left of the bound,
+        until its last chunk. It is admitted with its first chunk, and the memory plan keeps
+        what it was admitted with until its last, when its rows join the batch; meanwhile it
+        keeps its place in line. Later slices reuse their request's prefilled prompt."""
         parked = self._parked
         self._parked = [r for r in parked if r.running >= self.rows_per_request]
         self._waiting.extend(r for r in parked if r.running < self.rows_per_request)
         line, self._waiting = self._waiting, []
         if not line:  # most steps: nothing to admit, and no memory plan to make
             return
+        chunking = self._chunked()
         used = {name: len(batch.rows) for name, batch in self._batches.items()}
+        for request in chunking:  # the rows they were admitted with
+            assert request.chunked is not None
+            used[request.base.name] = used.get(request.base.name, 0) + request.chunked.rows
         plan = self._plan()
         fresh: dict[str, list[tuple[_Request, int]]] = {}  # to prefill, with rows to give
         more: dict[str, list[tuple[_Request, int]]] = {}  # prefilled already
+        # The next chunk of each prompt prefilled in chunks: its tokens, and its request's rows.
+        chunks: list[tuple[_Request, int, int]] = []
         behind: list[_Request] = []
         blocked = False
         prefilling = 0  # prompt tokens this step prefills
         prefill_full = False
+        bound = self.prefill_tokens
         for request in line:
-            fresh_prompt = 0 if request.prefilled else len(request.command.prompt)
-            if fresh_prompt and prefilling and 0 < self.prefill_tokens < prefilling + fresh_prompt:
-                prefill_full = True
-            if blocked or (prefill_full and fresh_prompt):
+            todo = request.unprefilled
+            chunk = 0  # the tokens of this step's chunk, if it is not the prompt's last
+            if todo and 0 < bound < prefilling + todo:
+                in_chunks = request.base.plain and (request.chunked is not None or todo > bound)
+                if in_chunks and prefilling < bound:
+                    chunk = bound - prefilling
+                elif prefilling:
+                    prefill_full = True
+                # else a longer prompt of a model whose cache cannot be joined: alone, whole
+            # A request waiting for memory holds the line for new admissions; a prompt being
+            # prefilled in chunks was admitted already, and what it needs is planned.
+            if (blocked and request.chunked is None) or (prefill_full and todo):
                 self._waiting.append(request)
                 continue
             name = request.base.name
             left = request.left
-            if not request.prefilled and left == 0:  # only its prompt to score
-                take = 0
-            elif request.base.plain:
-                room = self.max_rows - used.get(name, 0)
-                take = min(left, self.rows_per_request - request.running, room)
+            if request.chunked is not None:
+                take = request.chunked.rows  # planned since its first chunk
             else:
-                # Sliding-window caches cannot be joined: a batch forms once, of requests
-                # admitted whole, and takes no more until it is done.
-                alone = name not in self._batches and used.get(name, 0) == 0
-                fits = name not in self._batches and used.get(name, 0) + left <= self.max_rows
-                take = left if alone or fits else 0
-            if take <= 0 and left > 0:
-                self._waiting.append(request)
-                continue
-            fit = self._fit(plan, request, take)
-            if fit is None:
-                idle = not self._batches and not fresh and not more
-                if not idle:
-                    blocked = True
-                elif (refusal := self._never_fits(request)) is not None:
-                    self._fail(request, refusal, finished)
+                if not request.prefilled and left == 0:  # only its prompt to score
+                    take = 0
+                elif request.base.plain:
+                    room = self.max_rows - used.get(name, 0)
+                    take = min(left, self.rows_per_request - request.running, room)
+                else:
+                    # Sliding-window caches cannot be joined: a batch forms once, of requests
+                    # admitted whole, and takes no more until it is done.
+                    alone = name not in self._batches and used.get(name, 0) == 0
+                    fits = name not in self._batches and used.get(name, 0) + left <= self.max_rows
+                    take = left if alone or fits else 0
+                if take <= 0 and left > 0:
+                    self._waiting.append(request)
                     continue
+                fit = self._fit(plan, request, take)
+                if fit is None:
+                    idle = not self._batches and not fresh and not more and not chunking
+                    if not idle:
+                        blocked = True
+                    elif (refusal := self._never_fits(request)) is not None:
+                        self._fail(request, refusal, finished)
+                        continue
+                    self._waiting.append(request)
+                    continue
+                take = fit
+                plan.take(name, request.base.costs, _ask(request), take)
+                used[name] = used.get(name, 0) + take
+            if chunk:  # not its last: it keeps its place, and its rows wait for its last
+                prefilling = bound
+                request.chunked = request.chunked or _Chunked(take)
+                chunks.append((request, chunk, take))
                 self._waiting.append(request)
                 continue
-            take = fit
-            plan.take(name, request.base.costs, _ask(request), take)
-            used[name] = used.get(name, 0) + take
-            prefilling += fresh_prompt
-            (more if request.prefilled else fresh).setdefault(name, []).append((request, take))
+            prefilling += todo
+            if request.chunked is not None:  # its last chunk: its rows are given after it
+                chunks.append((request, todo, take))
+            else:
+                (more if request.prefilled else fresh).setdefault(name, []).append((request, take))
             if take < left and request.running + take >= self.rows_per_request:
                 self._parked.append(request)
             elif take < left:
                 behind.append(request)
         self._waiting.extend(behind)
+        for request, tokens, take in chunks:
+            if self._prefill_chunk(request, tokens, finished) and take:
+                more.setdefault(request.base.name, []).append((request, take))
         for name in {**fresh, **more}:
             parts = self._prefill_isolating(fresh.get(name, []), finished)
             if name in more:
@@ -832,6 +910,53 @@ class TorchEngine:
         if self._out_of_memory:  # the failed forward's tensors are gone with its frames
             device.release(self.placement.device)
         return [b for one in slices for b in self._prefill_isolating([one], finished)]
+
+    @torch.inference_mode()
+    def _prefill_chunk(self, request: _Request, tokens: int, finished: Finished) -> bool:
+        """Prefill the next ``tokens`` of a prompt prefilled in chunks, appending to its cache.
+        After its last chunk the prompt is kept whole for its rows (``request.prompt``), and
+        scored where its request asks; a request that only scores its prompt is finished. Returns
+        whether its prompt is now prefilled whole; a request that fails here fails alone."""
+        chunked = request.chunked
+        assert chunked is not None
+        command = request.command
+        start, end = chunked.length, chunked.length + tokens
+        scored = _wants_prompt_scores(command)
+        where = self.placement.device
+        cache, chunked.cache = chunked.cache, None  # its only holder while the forward grows it
+        try:
+            out = self._forward(
+                request.base,
+                [request.adapter],
+                room=len(command.prompt) - end,  # the whole prompt's columns, allocated once
+                input_ids=torch.tensor([list(command.prompt[start:end])], device=where),
+                attention_mask=torch.ones((1, end), dtype=torch.long, device=where),
+                position_ids=torch.arange(start, end, device=where)[None],
+                past_key_values=cache,
+                logits_to_keep=0 if scored else 1,
+            )
+            del cache
+            chunked.cache, chunked.length = out.past_key_values, end
+            chunked.logits = out.logits[0, -1].float()
+            if scored:
+                chunked.scores.append(out.logits[0])
+            if end < len(command.prompt):
+                return False
+            if scored:
+                _score_prompt(request, torch.cat(chunked.scores))
+        except Exception as exc:
+            what = f"prefilling {tokens} tokens of a {len(command.prompt)}-token prompt"
+            self._fail(request, self._failure(exc, what), finished)
+            return False
+        layers = [_kv(layer) for layer in out.past_key_values.layers]
+        request.prompt = _Prompt(layers, chunked.logits, end)
+        request.chunked = None
+        request.prefilled = True
+        if request.left == 0:
+            request.done = True
+            request.prompt = None
+            finished.append((request.ticket, _response(request)))
+        return True
 
     def _forward(self, base: _Base, adapters: list[int], room: int = 0, **inputs: Any) -> Any:
         """One forward of rows that may each use a different adapter (their slots, or
@@ -1155,6 +1280,20 @@ class _Prefill:
     logits: torch.Tensor
     mask: torch.Tensor
     lengths: list[int]
+
+
+def _chunk_bytes(request: _Request) -> int:
+    """What a prompt prefilled in chunks holds so far: its cache's buffers and its logits."""
+    chunked = request.chunked
+    if chunked is None:
+        return 0
+    total = sum(t.nbytes for t in chunked.scores)
+    total += chunked.logits.nbytes if chunked.logits is not None else 0
+    for layer in chunked.cache.layers if chunked.cache is not None else []:
+        for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(part, torch.Tensor):
+                total += part.untyped_storage().nbytes()
+    return total
 
 
 def _keep_prompt(prefill: _Prefill, i: int) -> _Prompt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,8 +19,14 @@ from google.protobuf.message import Message
 
 from services.sampler.engine import run_all
 from services.sampler.torch_engine import TorchEngine
-from tests.calls import record_calls
-from tests.sampler.test_engine import BASE, _assert_same, _command, _decode, _prompt
+from tests.sampler.test_engine import (
+    BASE,
+    _assert_same,
+    _command,
+    _decode,
+    _prompt,
+    _save_adapter,
+)
 from tests.sampler.test_isolation import save_nan_adapter
 from tinsmith import models
 from tinsmith._proto import bus_pb2 as bus
@@ -72,7 +79,7 @@ def test_a_request_admitted_in_slices_gets_what_it_gets_at_once() -> None:
 
 
 def _assert_equivalent(got: Message, want: Message, where: str = "response") -> None:
-    """Every field equal, except float32 logprobs (bytes named ``logprobs``, or a FLOAT32
+    """Every field equal, except float32 logprobs (bytes named ``*logprobs``, or a FLOAT32
     tensor's data), which agree to 1e-5."""
     assert got.DESCRIPTOR is want.DESCRIPTOR
     assert [f.name for f, _ in got.ListFields()] == [f.name for f, _ in want.ListFields()], where
@@ -83,7 +90,7 @@ def _assert_equivalent(got: Message, want: Message, where: str = "response") -> 
             pairs = zip(value, other, strict=True) if field.is_repeated else [(value, other)]
             for i, (a, b) in enumerate(pairs):
                 _assert_equivalent(a, b, f"{at}[{i}]")
-        elif field.name == "logprobs" or (floats and field.name == "dense"):
+        elif field.name.endswith("logprobs") or (floats and field.name == "dense"):
             np.testing.assert_allclose(
                 np.frombuffer(value, "<f4"), np.frombuffer(other, "<f4"), atol=1e-5, err_msg=at
             )
@@ -134,40 +141,133 @@ def test_a_burst_is_prefilled_a_budget_at_a_time_while_the_running_rows_decode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With 40 prompt tokens a step, a burst of five requests with 20-token prompts and one
-    with a 50-token prompt (longer than the budget: prefilled alone) is prefilled over four
-    steps, in the order the requests came, and a request already decoding advances a token at
-    every one of them. Each request gets what it gets from an engine that prefills the burst at
-    once."""
+    with a 50-token prompt (longer than the budget: prefilled in chunks, each what is left of a
+    step) is prefilled over four steps, in the order the requests came, and a request already
+    decoding advances a token at every one of them. Each request gets what it gets from an
+    engine that prefills the burst at once."""
     running = _command(_prompt(97, 8), "", n=2, max_tokens=12, seed=17, stop_tokens=[])
     burst = [_command(_prompt(n, 20), "", n=2, max_tokens=5, seed=n) for n in range(5)]
     burst.insert(2, _command(_prompt(98, 50), "", max_tokens=4, seed=18))
-    prefills = record_calls(monkeypatch, TorchEngine, "_prefill")
     results = {}
     for budget in (40, 0):
         engine = TorchEngine(models.default_cache_dir(), prefill_tokens=budget)
         engine.add(0, running)
         assert not engine.step()
-        prefills.clear()
+        waves = _record_prefills(monkeypatch)
         for ticket, command in enumerate(burst, start=1):
             engine.add(ticket, command)
         outcomes: dict[int, bytes | Exception] = {}
         decoded = [len(engine._requests[0].sequences[0].tokens)]
         while len(outcomes) < len(burst) + 1:
+            waves.append([])
             outcomes.update(engine.step())
             if 0 not in outcomes:
                 decoded.append(len(engine._requests[0].sequences[0].tokens))
         results[budget] = outcomes
         assert np.all(np.diff(decoded) == 1)  # a token at every step, prefills or not
-        # Each step's prefill, as the requests' prompt lengths.
-        waves = [[len(r.command.prompt) for r, _ in call[1]] for call in prefills]
-        if budget:
-            assert waves == [[20, 20], [50], [20, 20], [20]]
+        prefilled = [wave for wave in waves if wave]
+        if budget:  # (prompt length, tokens prefilled) of each step's prefills
+            assert prefilled == [
+                [(20, 20), (20, 20)],
+                [(50, 40)],
+                [(50, 10), (20, 20)],
+                [(20, 20), (20, 20)],
+            ]
         else:
-            assert waves == [[20, 20, 50, 20, 20, 20]]
+            assert prefilled == [[(20, 20), (20, 20), (50, 50), (20, 20), (20, 20), (20, 20)]]
     for ticket in range(len(burst) + 1):
         bounded, whole = results[40][ticket], results[0][ticket]
         assert isinstance(bounded, bytes) and isinstance(whole, bytes)
         _assert_same(_decode(bounded), _decode(whole))
+
+
+def _record_prefills(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[int, int]]]:
+    """Each step's prefills (the caller appends a list before each step), as (prompt length,
+    tokens prefilled): a prompt prefilled whole, or a chunk of one prefilled in chunks."""
+    waves: list[list[tuple[int, int]]] = [[]]
+    prefill, chunk = TorchEngine._prefill, TorchEngine._prefill_chunk
+
+    def whole(engine: TorchEngine, slices: list[tuple[Any, int]]) -> Any:
+        waves[-1].extend((len(r.command.prompt), len(r.command.prompt)) for r, _ in slices)
+        return prefill(engine, slices)
+
+    def chunked(engine: TorchEngine, request: Any, tokens: int, finished: Any) -> bool:
+        waves[-1].append((len(request.command.prompt), tokens))
+        return chunk(engine, request, tokens, finished)
+
+    monkeypatch.setattr(TorchEngine, "_prefill", whole)
+    monkeypatch.setattr(TorchEngine, "_prefill_chunk", chunked)
+    return waves
+
+
+def _scored(command: bus.Sample) -> bus.Sample:
+    """``command`` asking for every prompt score."""
+    command.prompt_logprobs = True
+    command.topk_prompt_logprobs = 3
+    command.prompt_alt_tokens_k = 2
+    cells = 2 * (len(command.prompt) - 1)  # two target ids for each token after the first
+    command.target_prompt_logprobs.CopyFrom(
+        tp.Tensor(
+            dense=(np.arange(cells, dtype="<i8") * 7 % 500).tobytes(),
+            dtype=tp.DTYPE_INT64,
+            shape=[cells // 2, 2],
+        )
+    )
+    return command
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_rows_decode(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With 16 prompt tokens a step, a 70-token prompt is prefilled in chunks of 16, 16, 16,
+    16 and 6 tokens, one a step, while a request already decoding advances a token at every
+    step; it gets what it gets prefilled whole: its prompt scores, its 12 sequences in slices of
+    4 rows (from the prompt kept after its last chunk), through an adapter. So does a request
+    that only scores a 40-token prompt (no tokens to sample): it is finished by its last chunk.
+    While the chunks are prefilled, the memory plan keeps what the long request was admitted
+    with: its whole prefill and its first 4 rows."""
+    _save_adapter(tmp_path, 3, ["q_proj", "v_proj", "down_proj", "lm_head"])
+    long = _scored(_command(_prompt(99, 70), "adapter/c", n=12, max_tokens=5, seed=19))
+    only_scored = _scored(_command(_prompt(90, 40), "", max_tokens=0, seed=20))
+    running = _command(_prompt(97, 8), "", n=2, max_tokens=14, seed=17, stop_tokens=[])
+    results = {}
+    for budget in (16, 0):
+        engine = TorchEngine(models.default_cache_dir(), rows_per_request=4, prefill_tokens=budget)
+        engine.load_adapter(BASE, "adapter/c", tmp_path)
+        engine.add(0, running)
+        assert not engine.step()
+        waves = _record_prefills(monkeypatch)
+        engine.add(1, long)
+        outcomes: dict[int, bytes | Exception] = {}
+        decoded = [len(engine._requests[0].sequences[0].tokens)]
+        planned = []
+        while 1 not in outcomes:
+            waves.append([])
+            outcomes.update(engine.step())
+            if 0 not in outcomes:
+                decoded.append(len(engine._requests[0].sequences[0].tokens))
+            planned.append(engine.memory()["planned"])
+        assert np.all(np.diff(decoded) == 1)  # a token at every step, chunks or not
+        prefilled = [wave for wave in waves if wave]
+        if budget:
+            assert prefilled == [[(70, 16)], [(70, 16)], [(70, 16)], [(70, 16)], [(70, 6)]]
+            # What is planned while it is chunked: the same as when its last chunk is done and
+            # its rows run, give or take the running request's rows.
+            assert max(planned[:4]) >= planned[4]
+        else:
+            assert prefilled == [[(70, 70)]]
+        results["long", budget] = outcomes[1]
+        engine.add(2, only_scored)
+        waves.append([])
+        outcome = _steps(engine, 2)[1]
+        assert waves[-1] == ([(40, 16), (40, 16), (40, 8)] if budget else [(40, 40)])
+        results["scored", budget] = outcome
+        while engine.has_work():
+            engine.step()
+    for which in ("long", "scored"):
+        chunked, whole = results[which, 16], results[which, 0]
+        assert isinstance(chunked, bytes) and isinstance(whole, bytes)
+        _assert_equivalent(_decode(chunked), _decode(whole))
 
 
 def test_a_request_that_fails_or_is_cancelled_gives_up_its_waiting_slices(

@@ -132,6 +132,45 @@ def test_a_request_without_room_holds_the_line() -> None:
         _assert_same(_decode(outcomes[ticket]), _decode(run_all(_engine(), [command])[0]))
 
 
+def test_a_prompt_prefilled_in_chunks_keeps_its_room_until_its_rows_run_or_it_is_cancelled() -> (
+    None
+):
+    """A 60-token prompt in a budget that holds exactly its request, prefilled 16 tokens a
+    step: from its first chunk the plan holds all it was admitted with (its prefill and its
+    rows), so a small request that comes meanwhile waits for it, not the other way round, and
+    both get what they get without a budget. Cancelled between two chunks, it gives all of it
+    back, and the small request is admitted at the next step."""
+    long = _command(_prompt(24, 60), n=2, max_tokens=4, seed=24, stop_tokens=[])
+    small = _command(_prompt(25, 3), n=1, max_tokens=2, seed=25, stop_tokens=[])
+    budget = _room_for(long)
+    engine = _engine(budget, prefill_tokens=16)
+    engine.load_base(BASE)
+    idle = engine.memory()["planned"]
+    engine.add(0, long)
+    engine.step()
+    assert engine.memory()["planned"] == budget  # what its whole admission plans
+    engine.add(1, small)
+    outcomes: dict[int, bytes | Exception] = {}
+    rows = []
+    while engine.has_work():
+        outcomes.update(engine.step())
+        rows.append(engine.batch_rows(BASE))
+        assert engine.memory()["planned"] <= budget
+    # Three more chunks, the last with the rows of ``long``; ``small`` joins them once what the
+    # prefill took is free.
+    assert rows[:3] == [{}, {}, {0: 2}] and {0: 2, 1: 1} in rows
+    for ticket, command in enumerate([long, small]):
+        _assert_same(_decode(outcomes[ticket]), _decode(run_all(_engine(), [command])[0]))
+
+    engine.add(2, long)
+    engine.step()
+    engine.step()
+    engine.add(3, small)
+    engine.cancel(2)
+    assert not engine._chunked() and engine.memory()["planned"] == idle
+    assert engine.step() == [] and engine.batch_rows(BASE) == {3: 1}
+
+
 def test_a_request_that_could_never_fit_is_refused_with_what_it_needs() -> None:
     budget = _room_for(*_fixed(16, 0, n=4))
     engine = _engine(budget)
@@ -232,3 +271,34 @@ def test_idle_adapters_make_room(tmp_path: Path) -> None:
     outcome = run_all(engine, [command])[0]
     assert not engine.has_adapter(BASE, "adapter/a")
     _assert_same(_decode(outcome), _decode(run_all(_engine(), [command])[0]))
+
+
+def test_a_request_waiting_for_memory_does_not_hold_up_a_prompt_being_prefilled_in_chunks(
+    tmp_path: Path,
+) -> None:
+    """A request of one row with 600 tokens to sample fits the budget alone, but not beside an
+    adapter that a smaller request uses: it waits. The smaller one's 40-token prompt is
+    prefilled in chunks of 16, which go on while the large one holds the line for new
+    admissions; once it is done, its adapter is evicted and the large one runs. (Held up by
+    the large one, the chunks waited for ever, and so did the large one, for the adapter.)"""
+    from tests.sampler.test_engine import _save_adapter
+
+    _save_adapter(tmp_path, 7, ["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"], rank=16)
+    large = _command(_prompt(26, 12), n=1, max_tokens=600, seed=26, stop_tokens=[])
+    chunked = _command(_prompt(27, 40), "adapter/big", n=1, max_tokens=2, seed=27)
+    budget = _room_for(large)
+    engine = _engine(budget, prefill_tokens=16)
+    engine.load_adapter(BASE, "adapter/big", tmp_path)
+    engine.add(0, large)
+    engine.add(1, chunked)
+    outcomes: dict[int, bytes | Exception] = {}
+    rows = []
+    for _ in range(700):
+        outcomes.update(engine.step())
+        rows.append(engine.batch_rows(BASE))
+        assert engine.memory()["planned"] <= budget
+        if not engine.has_work():
+            break
+    assert rows[:5] == [{}, {}, {1: 1}, {}, {0: 1}]  # chunks, the last with its row; evicted
+    assert set(outcomes) == {0, 1} and engine.memory()["adapters"] == 0
+    _assert_same(_decode(outcomes[0]), _decode(run_all(_engine(), [large])[0]))
