@@ -709,7 +709,10 @@ class Trainer:
 
     async def _replay(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> None:
         """Re-execute a request whose outcome is recorded, to rebuild the run's state: the same
-        engine work, nothing recorded."""
+        engine work, nothing recorded. Its forward_backwards and optim_steps wait in the
+        fuser's line like new ones, so a run being rebuilt takes turns with the runs the
+        trainer serves meanwhile, a slice at a time, rather than holding the compute thread
+        for the whole of its log."""
         command = events.command_of(accepted)
         model_id = accepted.aggregate_id
         with telemetry.tracer.start_as_current_span(
@@ -720,14 +723,9 @@ class Trainer:
             elif command == "load_weights":
                 await self._load_into(model_id, accepted.load_weights)
             elif command == "forward_backward" and not accepted.forward_backward.forward_only:
-                await self._fitting(
-                    model_id,
-                    lambda: self.compute.run(
-                        self.engine.forward_backward, model_id, accepted.forward_backward
-                    ),
-                )
+                await self.fuser.forward_backward(self._pass_ask(accepted, queue))
             elif command == "optim_step":
-                await self.compute.run(self.engine.optim_step, model_id, accepted.optim_step.adam)
+                await self.fuser.optim_step(self._step_ask(accepted, queue))
 
     async def _patiently(self, attempt: Callable[[], Awaitable[_T]]) -> _T:
         """``attempt()``, again after a pause while the bus is unreachable (a restarting
@@ -1005,7 +1003,9 @@ class Trainer:
             model_id,
         )
 
-    async def _forward_backward(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
+    def _pass_ask(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Ask:
+        """The fuser's ask for a forward_backward or forward. A forward_backward's place in line
+        is kept for the run's optim_step after it (``_step_ask``)."""
         request = accepted.forward_backward
         tokens = sum(len(model_input_tokens(datum.model_input)) for datum in request.data)
         attributes: telemetry.Attributes = {
@@ -1016,6 +1016,26 @@ class Trainer:
         ask = Ask(accepted.aggregate_id, queue.create.base_model, request, tokens, attributes)
         if not request.forward_only and queue.step_since is None:
             queue.step_since = ask.since
+        return ask
+
+    def _step_ask(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Ask:
+        """The fuser's ask for an optim_step, in the place of the forward_backward before it."""
+        model_id = accepted.aggregate_id
+        ask = Ask(
+            model_id,
+            queue.create.base_model,
+            accepted.optim_step.adam,
+            0,
+            self._attributes(model_id),
+            since=queue.step_since if queue.step_since is not None else time.monotonic(),
+        )
+        queue.step_since = None
+        return ask
+
+    async def _forward_backward(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
+        request = accepted.forward_backward
+        ask = self._pass_ask(accepted, queue)
+        tokens = ask.tokens
         output = await self.fuser.forward_backward(ask)
         telemetry.TOKENS.add(tokens, {"tinsmith.service": "trainer", "tinsmith.tokens": "trained"})
         # What the catalog keeps of it per step: the loss's metrics, and what it trained on. A
@@ -1060,17 +1080,7 @@ class Trainer:
         return self.engine.advance(ask.passes)
 
     async def _optim_step(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:
-        model_id = accepted.aggregate_id
-        ask = Ask(
-            model_id,
-            queue.create.base_model,
-            accepted.optim_step.adam,
-            0,
-            self._attributes(model_id),
-            since=queue.step_since if queue.step_since is not None else time.monotonic(),
-        )
-        queue.step_since = None
-        metrics = await self.fuser.optim_step(ask)
+        metrics = await self.fuser.optim_step(self._step_ask(accepted, queue))
         return _json({"type": "optim_step", "metrics": metrics}, metrics)
 
     async def _save_weights(self, accepted: bus.RequestAccepted, queue: _RunQueue) -> Outcome:

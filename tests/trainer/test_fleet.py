@@ -19,7 +19,10 @@ import pytest
 import torch
 from nats.js.errors import NoKeysError
 
+from services.trainer.engine import Passes
+from services.trainer.fusion import Fuser
 from services.trainer.handlers import Trainer
+from tests.calls import record_calls
 from tests.trainer.test_work_loop import ADAM, Harness, _batch, _weights
 from tinsmith import events, jobs, models, subjects
 from tinsmith._proto import bus_pb2 as bus
@@ -96,12 +99,15 @@ async def test_runs_are_spread_over_the_replicas_with_one_holder_each(harness: H
 
 
 async def test_a_dead_replica_s_run_is_rebuilt_from_its_snapshot_and_the_log_bit_for_bit(
-    harness: Harness,
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Replica a holds the run for 7 steps (a snapshot every 3 optimizer steps), then dies with
     step 8 sent; replica b takes the run over after a's lease, restores the snapshot after step
     6, re-executes step 7 without recording it again, and runs steps 8 to 10. The weights equal
-    those of a run trained undisturbed, bit for bit, and each request has one outcome."""
+    those of a run trained undisturbed, bit for bit, and each request has one outcome. Step 7's
+    forward_backward and optim_step are re-executed through b's fuser, in line with the other
+    runs' requests (a slice at a time), like the steps after them."""
+    delivered = record_calls(monkeypatch, Fuser, "_deliver")
     async with harness.trainer(replica="rebuild-ref", lease_s=LEASE_S) as ref:
         await harness.settled(await harness.create("reference"))
         await harness.settled(*await _steps(harness, "reference", 1, 10))
@@ -132,6 +138,8 @@ async def test_a_dead_replica_s_run_is_rebuilt_from_its_snapshot_and_the_log_bit
         print(f"first step after the crash settled {recovered_in:.2f} s after it")
 
         assert "rebuilt" in b.queues
+        served = [ask.model_id for fuser, ask, _ in delivered if fuser is b.fuser]
+        assert served.count("rebuilt") == 2 + 3 * 2  # step 7 again, then steps 8 to 10
         rebuilt = _weights(b, "rebuilt")
         assert all(torch.equal(x, y) for x, y in zip(rebuilt, reference, strict=True))
 
@@ -145,6 +153,48 @@ async def test_a_dead_replica_s_run_is_rebuilt_from_its_snapshot_and_the_log_bit
     states = [harness.projection.state.requests[rid] for rid in outcomes]
     assert all(state.status is jobs.Status.COMPLETED for state in states)
     assert recovered_in < 15
+
+
+async def test_a_run_being_rebuilt_takes_turns_with_the_runs_served_meanwhile(
+    harness: Harness,
+) -> None:
+    """Replica a trains a run one step of 8 datums (8 passes of a slice of 11 tokens) and dies
+    with nothing snapshotted since. Replica b rebuilds it when its next request comes,
+    re-executing that step's passes (slowed here to 0.2 s each); a run on b that asks for a
+    forward_backward meanwhile is served between them, not after the whole step."""
+    settings = {"lease_s": LEASE_S, "slice_tokens": 11, "fuse_tokens": 0, "snapshot_every": 100}
+    trainer_a = harness.trainer(replica="turns-a", **settings)
+    a = await trainer_a.__aenter__()
+    await harness.settled(await harness.create("turns-rebuilt"))
+    assert "turns-rebuilt" in a.queues
+    await harness.settled(
+        await harness.accept("turns-rebuilt", 1, forward_backward=_batch(1, datums=8)),
+        await harness.accept("turns-rebuilt", 2, optim_step=bus.OptimStep(adam=ADAM)),
+    )
+    async with harness.trainer(replica="turns-b", **settings) as b:
+        await _crash(a)
+        await harness.settled(await harness.create("turns-live"))  # b's: a is gone
+        passes: list[str] = []
+        advance = b.engine.advance
+
+        def slowed(request: Passes) -> bytes | None:
+            rebuilt = request.run is b.engine.runs.get("turns-rebuilt")
+            passes.append("rebuilt" if rebuilt else "live")
+            if rebuilt:
+                time.sleep(0.2)
+            return advance(request)
+
+        b.engine.advance = slowed  # type: ignore[method-assign]
+        later = await harness.accept("turns-rebuilt", 3, forward_backward=_batch(3))
+        await harness.until(lambda: "rebuilt" in passes, timeout=30)
+        live = await harness.accept("turns-live", 1, forward_backward=_batch(4))
+        await harness.settled(live, later, timeout=60)
+    # The rebuilt step's 8 passes with the live request's 2 among them (each pass of a request
+    # goes back in line behind what waits), then the later request's 2.
+    rebuilt_passes = [n for n, which in enumerate(passes) if which == "rebuilt"]
+    live_passes = [n for n, which in enumerate(passes) if which == "live"]
+    assert len(rebuilt_passes) == 8 + 2 and len(live_passes) == 2
+    assert 0 < live_passes[0] and live_passes[1] < rebuilt_passes[7], passes
 
 
 async def test_a_replica_that_stops_hands_its_runs_over_without_a_failed_request(
