@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The figures of docs/performance.md, measured on the machine this runs on: fused_training,
-# sample_throughput and slices on tinsmith/small and on SmolLM2-135M's shape, each on the device the
+# sample_throughput and slices on tinsmith/small and on SmolLM2-135M's shape, and prefill_burst's
+# chunked long prompt on SmolLM2-135M's shape, each on the device the
 # engines resolve (TINSMITH_DEVICE, auto: the GPU where there is one). Each benchmark's output
 # goes to OUT_DIR/<name>.txt; one that fails or runs past its limit does not stop the others.
 #
@@ -39,3 +40,4 @@ run fused-small bench.fused_training --model tinsmith/small "${sizes[@]}"
 run sample-small bench.sample_throughput --model tinsmith/small "${held[@]}"
 run slices-smollm2 bench.slices --model "$smol" --shapes 16x1024 32x2048
 run slices-small bench.slices --model tinsmith/small --shapes 16x1024 32x2048
+run prefill-chunks-smollm2 bench.prefill_burst --model "$smol" --burst 1 --prompt 8000 --bound 2048

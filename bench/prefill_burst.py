@@ -2,7 +2,9 @@
 engine's prefill bound (``TINSMITH_SAMPLER_PREFILL_TOKENS``) and without it.
 
 The engine is driven directly, in-process, on this thread (as the sampler's compute thread does,
-with its intra-op thread count): no bus, no gateway. One story per setting, on a fresh engine:
+with its intra-op thread count), on the device the sampler would use (``TINSMITH_DEVICE``, auto:
+a GPU where there is one; each step reads its sampled tokens back, so a step's time is its
+device work's): no bus, no gateway. One story per setting, on a fresh engine:
 
 1. a running request (default 4 samples x 128 tokens, ``stop=[]``) is added and stepped;
 2. after 8 of its steps, a burst of ``--burst`` requests (default 32, 2 samples x 16 tokens each)
@@ -53,7 +55,9 @@ class Story:
 
 
 def story(args: argparse.Namespace, bound: int, prompts: list[list[int]]) -> Story:
-    engine = TorchEngine(models.default_cache_dir(), args.threads, prefill_tokens=bound)
+    engine = TorchEngine(
+        models.default_cache_dir(), args.threads, placement=args.placement, prefill_tokens=bound
+    )
     engine.init_compute_thread()
     engine.load_base(args.model)
     engine.add(99, command(args.model, prompts[0][:16], 8, 4, seed=0))  # warm-up
@@ -92,9 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args(argv)
     transformers.utils.logging.disable_progress_bar()
-    bound = (
-        default_prefill_tokens(placement_from_env().device) if args.bound is None else args.bound
-    )
+    args.placement = placement_from_env()
+    bound = default_prefill_tokens(args.placement.device) if args.bound is None else args.bound
     vocab = models.get(args.model).vocab_size
     rng = np.random.default_rng(0)
     prompts = rng.integers(vocab // 4, 3 * vocab // 4, (1 + args.burst, args.prompt)).tolist()
