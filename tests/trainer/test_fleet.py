@@ -194,7 +194,7 @@ async def test_a_run_being_rebuilt_takes_turns_with_the_runs_served_meanwhile(
     rebuilt_passes = [n for n, which in enumerate(passes) if which == "rebuilt"]
     live_passes = [n for n, which in enumerate(passes) if which == "live"]
     assert len(rebuilt_passes) == 8 + 2 and len(live_passes) == 2
-    assert 0 < live_passes[0] and live_passes[1] < rebuilt_passes[7], passes
+    assert live_passes[0] > 0 and live_passes[1] < rebuilt_passes[7], passes
 
 
 async def test_a_replica_that_stops_hands_its_runs_over_without_a_failed_request(
