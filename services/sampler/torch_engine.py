@@ -187,15 +187,16 @@ class _Prompt:
 @dataclass
 class _Chunked:
     """A prompt longer than a step's prefill bound, prefilled a chunk a step: its cache so far
-    (one row, with room for the whole prompt), the logits of every position so far where its
-    request scores its prompt, and the rows its request was given when its first chunk was
+    (one row, with room for the whole prompt), where its request scores its prompt the logits
+    of every position (filled in chunk by chunk, so that its scores are computed from one
+    tensor, as a prefill's), and the rows its request was given when its first chunk was
     admitted, which the memory plan keeps for it until its last chunk (``TorchEngine._plan``)."""
 
     rows: int
     cache: DynamicCache | None = None
     length: int = 0  # prompt tokens prefilled
     logits: torch.Tensor | None = None  # [vocab]: the last prefilled position's
-    scores: list[torch.Tensor] = field(default_factory=list)  # [chunk, vocab] each
+    scores: torch.Tensor | None = None  # [prompt, vocab], in the model's dtype
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -939,11 +940,14 @@ class TorchEngine:
             chunked.cache, chunked.length = out.past_key_values, end
             chunked.logits = out.logits[0, -1].float()
             if scored:
-                chunked.scores.append(out.logits[0])
+                if chunked.scores is None:
+                    shape = (len(command.prompt), out.logits.shape[-1])
+                    chunked.scores = out.logits.new_empty(shape)
+                chunked.scores[start:end] = out.logits[0]
             if end < len(command.prompt):
                 return False
-            if scored:
-                _score_prompt(request, torch.cat(chunked.scores))
+            if chunked.scores is not None:
+                _score_prompt(request, chunked.scores)
         except Exception as exc:
             what = f"prefilling {tokens} tokens of a {len(command.prompt)}-token prompt"
             self._fail(request, self._failure(exc, what), finished)
@@ -1287,8 +1291,7 @@ def _chunk_bytes(request: _Request) -> int:
     chunked = request.chunked
     if chunked is None:
         return 0
-    total = sum(t.nbytes for t in chunked.scores)
-    total += chunked.logits.nbytes if chunked.logits is not None else 0
+    total = sum(t.nbytes for t in (chunked.scores, chunked.logits) if t is not None)
     for layer in chunked.cache.layers if chunked.cache is not None else []:
         for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(part, torch.Tensor):
