@@ -596,15 +596,16 @@ class TorchEngine:
 
     def memory(self) -> dict[str, int]:
         """What the engine holds on its device by its own count, in bytes: ``weights``,
-        ``adapters``, ``prompts`` (kept for later slices), ``kv`` (the running batches' caches,
-        masks, positions and logits as they are now), ``planned`` (what admission plans against:
-        all of it, each running row's cache at its last token, and a step's working memory)
-        and the ``budget``."""
+        ``adapters``, ``prompts`` (kept for later slices, and those being prefilled in chunks, as
+        far as they are), ``kv`` (the running batches' caches, masks, positions and logits as
+        they are now), ``planned`` (what admission plans against: all of it, each running row's
+        cache at its last token, a step's working memory, and what each prompt being prefilled
+        in chunks was admitted with) and the ``budget``."""
         weights, adapters, prompts = self._held()
         return {
             "weights": weights,
             "adapters": adapters,
-            "prompts": prompts,
+            "prompts": prompts + sum(_chunk_bytes(r) for r in self._chunked()),
             "kv": self._row_bytes(),
             "planned": self._plan().total(),
             "budget": self.placement.memory_bytes,

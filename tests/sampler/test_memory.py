@@ -148,7 +148,11 @@ def test_a_prompt_prefilled_in_chunks_keeps_its_room_until_its_rows_run_or_it_is
     idle = engine.memory()["planned"]
     engine.add(0, long)
     engine.step()
-    assert engine.memory()["planned"] == budget  # what its whole admission plans
+    held = engine.memory()
+    assert held["planned"] == budget  # what its whole admission plans
+    # Its cache after the first chunk, in a buffer with room for the whole prompt, and logits.
+    costs = engine.bases[BASE].costs
+    assert held["prompts"] == 60 * costs.kept_position + costs.kept_logits
     engine.add(1, small)
     outcomes: dict[int, bytes | Exception] = {}
     rows = []
