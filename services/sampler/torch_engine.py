@@ -801,17 +801,7 @@ class TorchEngine:
             if request.chunked is not None:
                 take = request.chunked.rows  # planned since its first chunk
             else:
-                if not request.prefilled and left == 0:  # only its prompt to score
-                    take = 0
-                elif request.base.plain:
-                    room = self.max_rows - used.get(name, 0)
-                    take = min(left, self.rows_per_request - request.running, room)
-                else:
-                    # Sliding-window caches cannot be joined: a batch forms once, of requests
-                    # admitted whole, and takes no more until it is done.
-                    alone = name not in self._batches and used.get(name, 0) == 0
-                    fits = name not in self._batches and used.get(name, 0) + left <= self.max_rows
-                    take = left if alone or fits else 0
+                take = self._rows_for(request, used.get(name, 0))
                 if take <= 0 and left > 0:
                     self._waiting.append(request)
                     continue
@@ -870,6 +860,20 @@ class TorchEngine:
                     if error is exc:
                         log.exception("could not merge %d new rows into the batch", len(part.rows))
                     self._fail_all(part.rows, error, finished)
+
+    def _rows_for(self, request: _Request, used: int) -> int:
+        """The rows ``request`` may have beside the ``used`` ones of its base's batch, by the row
+        limits alone (0 for one that only scores its prompt)."""
+        left, name = request.left, request.base.name
+        if not request.prefilled and left == 0:  # only its prompt to score
+            return 0
+        if request.base.plain:
+            return min(left, self.rows_per_request - request.running, self.max_rows - used)
+        # Sliding-window caches cannot be joined: a batch forms once, of requests admitted whole,
+        # and takes no more until it is done.
+        alone = name not in self._batches and used == 0
+        fits = name not in self._batches and used + left <= self.max_rows
+        return left if alone or fits else 0
 
     def _fit(self, plan: Plan, request: _Request, want: int) -> int | None:
         """How many of ``want`` rows ``request`` gets within the budget (all of them, for a
