@@ -289,3 +289,56 @@ def test_a_request_that_fails_or_is_cancelled_gives_up_its_waiting_slices(
     # Neither got rows again: their waiting sequences left the line with them.
     assert seen == {1} and set(outcomes) == {1}
     assert len(_decode(outcomes[1]).sequences) == 8
+
+
+def test_seeded_random_mixes_get_what_they_get_prefilled_whole_and_at_once(
+    tmp_path: Path,
+) -> None:
+    """Eight seeded mixes of one to five requests (prompts of 1 to 120 tokens, plain or through
+    one of two adapters of ranks 4 and 16, 1 to 6 samples of 0 to 8 tokens, greedy or sampled,
+    some asking for every prompt score), coming at random steps, on an engine with a random
+    prefill bound of 4 to 60 tokens and a share of 1 to 6 rows: each request gets what it gets
+    on an engine that prefills every prompt whole and admits every request at once."""
+    directories = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    _save_adapter(directories["a"], 1, ["q_proj", "v_proj", "down_proj"], rank=4)
+    _save_adapter(directories["b"], 2, ["k_proj", "o_proj", "up_proj", "lm_head"], rank=16)
+    rng = np.random.default_rng(25)
+
+    def engine(bound: int, share: int) -> TorchEngine:
+        made = TorchEngine(models.default_cache_dir(), rows_per_request=share, prefill_tokens=bound)
+        for key, directory in directories.items():
+            made.load_adapter(BASE, key, directory)
+        return made
+
+    def play(made: TorchEngine, commands: list[bus.Sample], arrivals: list[int]) -> dict:
+        outcomes: dict[int, bytes | Exception] = {}
+        step = 0
+        while len(outcomes) < len(commands):
+            for ticket, at in enumerate(arrivals):
+                if at == step:
+                    made.add(ticket, commands[ticket])
+            outcomes.update(made.step())
+            step += 1
+        return outcomes
+
+    chunked_mixes = 0
+    for _ in range(8):
+        commands = []
+        for _ in range(int(rng.integers(1, 6))):
+            command = _command(
+                _prompt(int(rng.integers(10**6)), int(rng.integers(1, 121))),
+                str(rng.choice(["", "a", "b"])),
+                n=int(rng.integers(1, 7)),
+                max_tokens=int(rng.choice([0, 1, 3, 8])),
+                seed=int(rng.integers(1000)),
+                temperature=float(rng.choice([0.0, 0.7, 1.0])),
+            )
+            commands.append(_scored(command) if rng.random() < 0.4 else command)
+        arrivals = sorted(int(a) for a in rng.integers(0, 7, len(commands)))
+        bound, share = int(rng.integers(4, 61)), int(rng.integers(1, 7))
+        chunked_mixes += any(len(c.prompt) > bound for c in commands)
+        mixed = play(engine(bound, share), commands, arrivals)
+        whole = play(engine(0, 64), commands, arrivals)
+        for ticket in range(len(commands)):
+            _assert_equivalent(_decode(mixed[ticket]), _decode(whole[ticket]), f"request {ticket}")
+    assert chunked_mixes >= 4  # most mixes hold a prompt prefilled in chunks
