@@ -943,7 +943,8 @@ class TorchEngine:
             )
             del cache
             chunked.cache, chunked.length = out.past_key_values, end
-            chunked.logits = out.logits[0, -1].float()
+            # A copy: a view would keep the chunk's every position alive with the prompt.
+            chunked.logits = out.logits[0, -1].float().clone()
             if scored:
                 if chunked.scores is None:
                     shape = (len(command.prompt), out.logits.shape[-1])
