@@ -247,6 +247,10 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_running_rows_decode(
             if 0 not in outcomes:
                 decoded.append(len(engine._requests[0].sequences[0].tokens))
             planned.append(engine.memory()["planned"])
+            kept = engine._requests[1].prompt if 1 in engine._requests else None
+            if kept is not None:  # for its later slices: it holds no more than is counted
+                held = {t.untyped_storage().nbytes() for t in (kept.logits, *kept.layers[0])}
+                assert held == {kept.logits.nbytes, kept.layers[0][0].nbytes}
         assert np.all(np.diff(decoded) == 1)  # a token at every step, chunks or not
         prefilled = [wave for wave in waves if wave]
         if budget:
