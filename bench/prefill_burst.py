@@ -11,16 +11,17 @@ device work's): no bus, no gateway. One story per setting, on a fresh engine:
    with ``--prompt``-token prompts (default 256) is added at once;
 3. everything is stepped to its end.
 
-The settings: the bound (``--bound``, default the device's, ``default_prefill_tokens``: 2048
-prompt tokens a step on the CPU) against none (0: the whole burst prefilled in one step, as
-before the bound). For each it prints the running request's longest step after the burst came
-(how long its decoding stalled), the burst's last result (seconds from its arrival), and the
-running request's own total. With ``--rounds`` above 1 the settings alternate and the medians
-are printed. A prompt longer than the bound (``--burst 1 --prompt 6144``, say) is prefilled in
-chunks, one a step.
+The settings: the bound (``--bound``, one or more, default the device's,
+``default_prefill_tokens``: 2048 prompt tokens a step on the CPU) against none (0: the whole
+burst prefilled in one step, as before the bound). For each it prints the running request's
+longest step after the burst came (how long its decoding stalled), the burst's last result
+(seconds from its arrival), and the running request's own total. With ``--rounds`` above 1 the
+settings take turns, in the reverse order every other round, and the medians are printed, with
+each bound's ratio to none. A prompt longer than the bound (``--burst 1 --prompt 6144``, say) is
+prefilled in chunks, one a step.
 
     .venv/bin/python -m bench.prefill_burst [--model tinsmith/small] [--burst 32] [--prompt 256]
-        [--bound N] [--rounds 3] [--threads N]
+        [--bound N [N ...]] [--rounds 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -91,13 +92,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=models.SMALL)
     parser.add_argument("--burst", type=int, default=32, help="requests in the burst")
     parser.add_argument("--prompt", type=int, default=256, help="tokens of each burst prompt")
-    parser.add_argument("--bound", type=int, default=None, help="default: the device's")
+    parser.add_argument(
+        "--bound", type=int, nargs="+", default=None, help="one or more; default: the device's"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args(argv)
     transformers.utils.logging.disable_progress_bar()
     args.placement = placement_from_env()
-    bound = default_prefill_tokens(args.placement.device) if args.bound is None else args.bound
+    bounds = args.bound or [default_prefill_tokens(args.placement.device)]
     vocab = models.get(args.model).vocab_size
     rng = np.random.default_rng(0)
     prompts = rng.integers(vocab // 4, 3 * vocab // 4, (1 + args.burst, args.prompt)).tolist()
@@ -106,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"after {ARRIVE} of its steps, {args.burst} requests of {args.prompt}-token prompts "
         f"({args.burst * args.prompt} tokens), 2 samples x 16 tokens each"
     )
-    settings = {f"bound {bound}": bound, "no bound": 0}
+    settings = {**{f"bound {bound}": bound for bound in bounds}, "no bound": 0}
     stories: dict[str, list[Story]] = {name: [] for name in settings}
     for round_ in range(args.rounds):
         order = list(settings) if round_ % 2 == 0 else list(settings)[::-1]
@@ -119,17 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"request in {s.running_seconds:.2f} s",
                 flush=True,
             )
-    bounded, unbounded = (stories[name] for name in settings)
     rows = (
         ("the running request's longest step, s", "longest_step"),
         ("the burst's last result, s after it came", "burst_seconds"),
         ("the running request's total, s", "running_seconds"),
     )
-    print(f"\nmedians over {args.rounds} rounds{'':14s}{'bound':>9s}{'none':>9s}{'ratio':>8s}")
+    print(f"\nmedians over {args.rounds} rounds, and each bound's ratio to none")
+    print(f"  {'':44s}" + "".join(f"{name:>12s}" for name in settings) + "   ratios")
     for label, attribute in rows:
-        mine = statistics.median(getattr(s, attribute) for s in bounded)
-        theirs = statistics.median(getattr(s, attribute) for s in unbounded)
-        print(f"  {label:44s}{mine:9.3f}{theirs:9.3f}{mine / theirs:8.2f}")
+        medians = [statistics.median(getattr(s, attribute) for s in stories[n]) for n in settings]
+        ratios = " ".join(f"{m / medians[-1]:.2f}" for m in medians[:-1])
+        print(f"  {label:44s}" + "".join(f"{m:12.3f}" for m in medians) + f"   {ratios}")
     return 0
 
 
