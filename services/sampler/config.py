@@ -39,8 +39,8 @@ class SamplerConfig:
     batch_delay_s: float = 0.01
     # The most prompt tokens one step of the torch engine prefills: a larger burst's prompts are
     # prefilled over several steps, and a longer prompt in chunks, the running rows decoding
-    # between them. None: the device's
-    # default (torch_engine.default_prefill_tokens); 0: no bound.
+    # between them. None: the device's default (torch_engine.default_prefill_tokens); 0: no
+    # bound.
     prefill_tokens: int | None = None
 
     @classmethod

@@ -616,13 +616,7 @@ class TorchEngine:
         tensor's whole buffer (it may have columns to spare, or columns trimmed off)."""
         total = 0
         for batch in list(self._batches.values()):
-            buffers = {}
-            for layer in batch.cache.layers:  # sliding-window layers too
-                for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                    if isinstance(part, torch.Tensor):
-                        storage = part.untyped_storage()
-                        buffers[storage.data_ptr()] = storage.nbytes()
-            total += sum(buffers.values())
+            total += _cache_bytes(batch.cache)
             total += batch.mask.nbytes + batch.positions.nbytes + batch.logits.nbytes
         return total
 
@@ -1298,11 +1292,19 @@ def _chunk_bytes(request: _Request) -> int:
     if chunked is None:
         return 0
     total = sum(t.nbytes for t in (chunked.scores, chunked.logits) if t is not None)
-    for layer in chunked.cache.layers if chunked.cache is not None else []:
+    return total + (_cache_bytes(chunked.cache) if chunked.cache is not None else 0)
+
+
+def _cache_bytes(cache: DynamicCache) -> int:
+    """A cache's keys and values, each tensor's whole buffer once (it may have columns to spare,
+    or columns trimmed off): sliding-window layers too."""
+    buffers = {}
+    for layer in cache.layers:
         for part in (getattr(layer, "keys", None), getattr(layer, "values", None)):
             if isinstance(part, torch.Tensor):
-                total += part.untyped_storage().nbytes()
-    return total
+                storage = part.untyped_storage()
+                buffers[storage.data_ptr()] = storage.nbytes()
+    return sum(buffers.values())
 
 
 def _keep_prompt(prefill: _Prefill, i: int) -> _Prompt:
