@@ -7,8 +7,13 @@ same variables) and the cost model they are checked against, computed from a mod
 
 - ``train_bytes``: the activation memory of a forward or forward_backward in float32, fitted to
   measurements of the trainer on this repository's models (SmolLM2-135M: about 3 MB per token
-  with gradients, so 4 x 1024 tokens took 12.5 to 15 GB), with a term quadratic in each
-  sequence's length for attention that materialises its weights;
+  with gradients and every position's logits, so 4 x 1024 tokens took 12.5 to 15 GB), with a
+  term quadratic in each sequence's length for attention that materialises its weights;
+- ``pass_bytes``: what one pass of the trainer holds, its layers' activations (``train_bytes``)
+  and its LM head's, which computes its logits a chunk of positions at a time;
+- ``datum_bytes``: the least one datum needs, a pass of it alone (with activation checkpointing
+  for a backward): the trainer runs a request's datums in as many passes as its memory asks, so
+  a request's longest datum is what no budget can split;
 - ``sample_bytes``: the KV cache and logits of a sample request in the running batch;
 - ``sample_result_bytes``: the size of a sample's stored result, which must fit one message.
 
@@ -48,6 +53,10 @@ MAX_BODY_BYTES = MAX_PAYLOAD - 64 * 1024
 
 _FLOAT = 4  # bytes; the engines compute in float32 on the CPU
 _MIB = 2**20
+# The float32 logits the trainer's LM head computes at once, with their log-softmax and
+# gradient: a chunk of positions, whatever the sequence's length (a 4096-token sequence of a
+# 128k vocabulary is 2 GiB of float32 logits, and its log-softmax and gradient as much again).
+HEAD_CHUNK_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,10 @@ class Limits:
 
     # The largest LoRA rank a run may have (its adapter and AdamW state grow with it).
     max_lora_rank: int = 128
-    # The activation memory one forward_backward (or forward) request may need, in MiB
-    # (``train_bytes``). SmolLM2-135M at about 3 MB per token: some 2,700 tokens a request.
+    # The activation memory one datum of a forward_backward (or forward) may need, in MiB
+    # (``datum_bytes``): the trainer runs a request's datums in passes within its own budget, so
+    # a request may hold any number of them. SmolLM2-135M's longest, 8,192 tokens, needs about
+    # 3.6 GiB with gradients.
     train_memory_mb: int = 8192
     # The memory a sample request may take in the running batch (its KV cache and logits), in
     # MiB (``sample_bytes``). SmolLM2-135M: some 80,000 tokens of KV cache.
@@ -131,6 +142,47 @@ def train_bytes(shape: Shape, vocab_size: int, lengths: Sequence[int], *, backwa
         per_token = 4 * h + 2 * m + 3 * vocab_size
         attention = heads * squares
     return _FLOAT * (tokens * per_token + attention)
+
+
+def head_rows(vocab_size: int, head_chunk_bytes: int = HEAD_CHUNK_BYTES) -> int:
+    """The positions whose float32 logits the trainer's LM head computes at once."""
+    return max(1, head_chunk_bytes // (_FLOAT * vocab_size))
+
+
+def pass_bytes(
+    shape: Shape,
+    vocab_size: int,
+    lengths: Sequence[int],
+    *,
+    backward: bool,
+    checkpointed: bool = False,
+    layer_scale: float = 1.0,
+    head_chunk_bytes: int = HEAD_CHUNK_BYTES,
+) -> int:
+    """The activation memory of one trainer pass over datums of ``lengths`` tokens: its layers'
+    (``train_bytes`` over the batch right-padded to its longest datum, without the logits,
+    times ``layer_scale`` for the base weights' dtype; with activation checkpointing, every
+    layer's input and one layer's activations at a time), plus its LM head's (the hidden
+    states of the datums' tokens, and one chunk of float32 logits with their log-softmax and,
+    for a backward, their gradient)."""
+    padded = [max(lengths)] * len(lengths)
+    if checkpointed:
+        one_layer = replace(shape, num_hidden_layers=1)
+        layers = train_bytes(one_layer, 0, padded, backward=True) * layer_scale
+        layers += shape.num_hidden_layers * sum(padded) * shape.hidden_size * _FLOAT
+    else:
+        layers = train_bytes(shape, 0, padded, backward=backward) * layer_scale
+    tokens = sum(lengths)
+    chunk = min(tokens, head_rows(vocab_size, head_chunk_bytes))
+    head = tokens * shape.hidden_size * _FLOAT * 2
+    head += chunk * vocab_size * _FLOAT * (4 if backward else 2)
+    return int(layers) + head
+
+
+def datum_bytes(shape: Shape, vocab_size: int, length: int, *, backward: bool) -> int:
+    """The least activation memory the trainer needs for a datum of ``length`` tokens in
+    float32: a pass of it alone, with activation checkpointing for a backward."""
+    return pass_bytes(shape, vocab_size, [length], backward=backward, checkpointed=backward)
 
 
 def sample_bytes(

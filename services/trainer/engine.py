@@ -50,7 +50,7 @@ import gc
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,7 +72,7 @@ from tinsmith import lora as lora_layout
 from tinsmith._proto import bus_pb2 as bus
 from tinsmith._proto import tinker_public_pb2 as tp
 from tinsmith.failures import InvalidRequest, NotFound, TinsmithError, Unavailable, Unprocessable
-from tinsmith.limits import mib
+from tinsmith.limits import HEAD_CHUNK_BYTES, mib
 from tinsmith.losses import config_of
 from tinsmith.tensors import batched, decode_tensor, model_input_tokens
 
@@ -80,10 +80,6 @@ from . import grouping, losses
 
 _T = TypeVar("_T")
 
-# The float32 logits the LM head computes at a time (a chunk of positions): what the loss holds
-# at once whatever the sequence length, instead of every position's (a 4096-token sequence of a
-# 128k vocabulary is 2 GiB of float32 logits, and its log-softmax and gradient as much again).
-HEAD_CHUNK_BYTES = 64 << 20
 # The activation memory of the base model's layers relative to limits.train_bytes (fitted to
 # float32 on the CPU), by the base weights' dtype. Half-precision layers keep half-precision
 # activations, but each LoRA module computes in float32 on a float32 copy of its input, which it
@@ -282,23 +278,16 @@ class TrainerEngine:
         self, base_model: str, lengths: Sequence[int], *, backward: bool, checkpointed: bool = False
     ) -> int:
         """The activation memory of one pass over datums of ``lengths`` tokens on a loaded base
-        model: its layers' (limits.train_bytes over the right-padded batch, without the logits,
-        scaled to the base weights' dtype; with checkpointing, every layer's input and one
-        layer's activations at a time), plus the LM head's: the hidden states of the datums'
-        tokens and one chunk of float32 logits with their log-softmax and gradient."""
-        shape, vocab = self._shapes[base_model], self._vocab[base_model]
-        padded = [max(lengths)] * len(lengths)
-        scale = ACTIVATION_SCALE.get(self.placement.dtype, 1.0)
-        if checkpointed:
-            one_layer = replace(shape, num_hidden_layers=1)
-            body = limits.train_bytes(one_layer, 0, padded, backward=True) * scale
-            body += shape.num_hidden_layers * sum(padded) * shape.hidden_size * 4
-        else:
-            body = limits.train_bytes(shape, 0, padded, backward=backward) * scale
-        tokens = sum(lengths)
-        chunk = min(tokens, self._chunk_rows(vocab))
-        head = tokens * shape.hidden_size * 4 * 2 + chunk * vocab * 4 * (4 if backward else 2)
-        return int(body) + head
+        model (``limits.pass_bytes``, its layers' scaled to the base weights' dtype)."""
+        return limits.pass_bytes(
+            self._shapes[base_model],
+            self._vocab[base_model],
+            lengths,
+            backward=backward,
+            checkpointed=checkpointed,
+            layer_scale=ACTIVATION_SCALE.get(self.placement.dtype, 1.0),
+            head_chunk_bytes=self.head_chunk_bytes,
+        )
 
     def plan(self, model_id: str, lengths: Sequence[int], *, backward: bool) -> list[Pass]:
         """How a forward (``backward=False``) or forward_backward over datums of ``lengths``
@@ -402,7 +391,7 @@ class TrainerEngine:
         devices.release(self.placement.device)
 
     def _chunk_rows(self, vocab: int) -> int:
-        return max(1, self.head_chunk_bytes // (4 * vocab))
+        return limits.head_rows(vocab, self.head_chunk_bytes)
 
     def _on_device(self, op: str, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         """Run ``fn``; an out-of-memory error on the device becomes ``Unavailable`` for this
