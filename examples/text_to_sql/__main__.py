@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
         ("temperature", float, "sampling temperature of the RL answers"),
         ("max_tokens", int, "tokens per answer"),
         ("eval_size", int, "held-out questions evaluated"),
-        ("tokens_per_call", int, "model-input tokens per forward_backward request"),
+        ("tokens_per_call", int, "model-input tokens per forward_backward request; 0: one"),
         ("rank", int, "LoRA rank"),
         ("seed", int, "the database, the questions, their split and order, the LoRA init"),
     ):
@@ -99,9 +99,11 @@ def options(args: argparse.Namespace, url: str, api_key: str) -> loop.Options:
 def main(argv: Sequence[str] | None = None) -> int:
     command = parser()
     args = command.parse_args(argv)
-    for name in ("sft_batch", "rl_batch", "group", "max_tokens", "eval_size", "tokens_per_call"):
+    for name in ("sft_batch", "rl_batch", "group", "max_tokens", "eval_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             command.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.tokens_per_call is not None and args.tokens_per_call < 0:
+        command.error("--tokens-per-call must be 0 (a step in one request) or more")
     if args.group is not None and args.group < 2:
         command.error("--group must be at least 2: advantages are relative to the group")
     os.environ.setdefault("TINKER_TELEMETRY", "0")

@@ -68,10 +68,10 @@ class Options:
     temperature: float = 0.7
     max_tokens: int = 64  # per answer: the longest reference is 44 tokens
     eval_size: int = 48  # held-out questions scored before, after the warm start, after RL
-    # Model-input tokens per forward_backward request; a step's data goes in as many as it
-    # takes. tinsmith's trainer refuses a request that needs more activation memory than
-    # TINSMITH_TRAIN_MEMORY_MB (8 GiB by default: ~2,800 tokens of SmolLM2-135M).
-    tokens_per_call: int = 2048
+    # Model-input tokens per forward_backward request, a step's data going in as many as it
+    # takes (their gradients add up); 0: the whole step in one request, as a cookbook loop
+    # sends it (tinsmith's trainer runs a request in as many passes as its memory asks).
+    tokens_per_call: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,9 @@ class Step:
 
 def chunks(data: list[types.Datum], max_tokens: int) -> list[list[types.Datum]]:
     """``data`` cut, in order, into runs of at most ``max_tokens`` model-input tokens (a datum
-    longer than that alone), so that no request asks the trainer for more activation memory
-    than it grants one request."""
+    longer than that alone); ``max_tokens`` 0: all of it in one."""
+    if max_tokens <= 0:
+        return [data]
     out: list[list[types.Datum]] = [[]]
     tokens = 0
     for datum in data:

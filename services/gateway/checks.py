@@ -53,18 +53,27 @@ def check_forward_backward(
 def check_train_memory(
     bounds: Limits, spec: models.ModelSpec, lengths: list[int], *, backward: bool
 ) -> None:
-    """Refuse a request whose activations would not fit the trainer's memory budget."""
+    """Refuse a request with a datum whose activations would not fit the trainer's budget even
+    alone (``limits.datum_bytes``). A request may hold any number of datums: the trainer runs
+    them in as many passes as its memory asks, but one datum is one pass."""
     budget = bounds.train_memory_mb << 20
-    need = limits.train_bytes(spec.shape, spec.vocab_size, lengths, backward=backward)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    n = lengths[longest]
+    need = limits.datum_bytes(spec.shape, spec.vocab_size, n, backward=backward)
     if need <= budget:
         return
-    per_token = limits.train_bytes(spec.shape, spec.vocab_size, [1], backward=backward)
+    low, high = 0, n  # the longest datum that fits: low fits (or is 0), high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        fits = limits.datum_bytes(spec.shape, spec.vocab_size, middle, backward=backward)
+        low, high = (middle, high) if fits <= budget else (low, middle)
     op = "forward_backward" if backward else "forward"
+    alone = "alone, with activation checkpointing" if backward else "alone"
     raise InvalidRequest(
-        f"this {op} needs about {mib(need)} of activation memory ({sum(lengths)} tokens in "
-        f"{len(lengths)} datums of {spec.name}); the trainer's budget for one request is "
-        f"{mib(budget)} (TINSMITH_TRAIN_MEMORY_MB), about {budget // per_token} tokens of "
-        "this model: send fewer or shorter datums per call"
+        f"datum {longest} of this {op} has {n} tokens of {spec.name}, which need about "
+        f"{mib(need)} of activation memory even {alone}; the trainer's budget for one datum is "
+        f"{mib(budget)} (TINSMITH_TRAIN_MEMORY_MB), datums of at most {low} tokens of this "
+        "model: send shorter sequences (a request may hold any number of datums)"
     )
 
 

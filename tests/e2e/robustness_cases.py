@@ -671,7 +671,7 @@ HTTP_CASES: list[Http] = [
     fb("no data", lambda c: fb_request(c, data=[]), "datum"),
     fb("unknown loss_fn", lambda c: fb_request(c, loss_fn="nope"), "loss_fn"),
     fb(
-        "4 x 1024 tokens, over the memory budget",
+        "4 datums of 1024 tokens, each over the memory budget",
         lambda c: fb_request(c, data=LONG_DATUMS),
         MEMORY_RE,
         (400, 429),
@@ -1188,7 +1188,7 @@ RPC_CASES: list[Rpc] = [
         "loss_fn_config",
     ),
     forward_backward(
-        "4 x 1024 tokens, over the memory budget",
+        "4 datums of 1024 tokens, each over the memory budget",
         lambda c: fb_request(c, data=LONG_DATUMS),
         MEMORY_RE,
         (400, 429),

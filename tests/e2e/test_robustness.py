@@ -49,6 +49,7 @@ from tests.e2e.robustness_cases import (
     Ctx,
     Http,
     Rpc,
+    datum,
     derive,
     encode,
     fb_request,
@@ -56,13 +57,14 @@ from tests.e2e.robustness_cases import (
     settle,
     weights_shaped,
 )
+from tinsmith import limits, models
 from tinsmith._proto import service_pb2 as svc
 from tinsmith._proto import service_pb2_grpc as stubs
 from tinsmith._proto import tinker_public_pb2 as tp
 
 API = "/api/v1"
-# Small bounds, so that tinsmith/tiny can reach them: a trainer memory budget that 4 datums of
-# 1024 tokens exceed many times over and a step of ten tokens is far below. A short long-poll, so
+# Small bounds, so that tinsmith/tiny can reach them: a trainer memory budget for one datum that
+# a datum of 1024 tokens exceeds and a step of ten tokens is far below. A short long-poll, so
 # that a request that never settles is noticed in seconds.
 ENV = {"TINSMITH_TRAIN_MEMORY_MB": "16", "TINSMITH_LONG_POLL_S": "5"}
 OTHER_KEY = "tml-robust-other-user"  # the user whose samples the poison must not break
@@ -446,6 +448,40 @@ def test_a_forward_backward_refused_for_its_size_does_not_wedge_its_run(
     assert accepted.status_code == 200, accepted.text[:300]
     outcome = settle(http, accepted.json()["request_id"], 30)
     assert outcome.headers["content-type"].startswith("application/x-protobuf"), outcome.text
+
+
+def test_a_forward_backward_of_many_datums_each_within_the_bound_is_trained(
+    http: httpx.Client, ctx: Ctx
+) -> None:
+    """The memory bound is on one datum, which is one pass of the trainer; the datums of a
+    request run in as many passes as the trainer's memory asks. 16 datums of 600 tokens, which
+    need many times the 16 MiB bound in one pass and fit it one by one, are accepted and
+    trained; one datum of 1024 tokens, which does not fit it alone, is refused up front."""
+    tiny, bound = models.get(models.TINY), int(ENV["TINSMITH_TRAIN_MEMORY_MB"]) << 20
+    lengths = [600] * 16
+    assert limits.pass_bytes(tiny.shape, tiny.vocab_size, lengths, backward=True) > 4 * bound
+    assert limits.datum_bytes(tiny.shape, tiny.vocab_size, 600, backward=True) <= bound
+    model_id = _new_run(http, ctx)
+    data = [datum([(5 * i + j) % 512 for i in range(n + 1)]) for j, n in enumerate(lengths)]
+    many = fb_request(ctx, model_id=model_id, seq=1, data=data).SerializeToString()
+    accepted = http.post(API + "/forward_backward", content=many, headers=PROTOBUF)
+    assert accepted.status_code == 200, accepted.text[:300]
+    outcome = settle(http, accepted.json()["request_id"], 120)
+    assert outcome.headers["content-type"].startswith("application/x-protobuf"), outcome.text
+    output = tp.ForwardBackwardOutput.FromString(outcome.content)
+    assert [record.num_datums for record in output.loss_fn_outputs] == [16]
+    assert output.metrics["loss:sum"] > 0
+
+    long = [datum([(5 * i) % 512 for i in range(1025)])]
+    refused = http.post(
+        API + "/forward_backward",
+        content=fb_request(ctx, model_id=model_id, seq=2, data=long).SerializeToString(),
+        headers=PROTOBUF,
+    )
+    assert refused.status_code == 400, refused.text[:300]
+    detail = refused.json()["detail"]
+    assert "datum 0" in detail and "1024 tokens" in detail, detail
+    assert "TINSMITH_TRAIN_MEMORY_MB" in detail and "at most 619 tokens" in detail, detail
 
 
 def test_a_save_with_a_ttl_beyond_ten_years_is_refused_and_cannot_break_the_catalog(

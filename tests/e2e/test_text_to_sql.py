@@ -84,6 +84,7 @@ def test_a_step_s_data_is_cut_into_requests_of_a_bounded_number_of_tokens() -> N
     ]
     cut = chunks(data, 100)
     assert [[d.model_input.length for d in chunk] for chunk in cut] == [[30, 50], [40], [120], [10]]
+    assert chunks(data, 0) == [data]  # the default: a step's data in one request
 
 
 def test_rl_examples_line_up_with_the_trainer_so_on_policy_ratios_are_one(
